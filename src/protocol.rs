@@ -1,0 +1,588 @@
+//! The P/D protocol, free of any host calls: what the prefill request looks like, how the
+//! prefill answer is read, what decode receives, and which error the client gets.
+
+use std::ops::Range;
+
+use crate::config::MissingKvPolicy;
+use crate::json_object::{Edit, TopLevelObject};
+
+/// The OpenAI-style API a request is for; each caps generation in its own fields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    ChatCompletions,
+    Responses,
+}
+
+impl Endpoint {
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        if path.ends_with("/chat/completions") {
+            Some(Endpoint::ChatCompletions)
+        } else if path.ends_with("/completions") {
+            Some(Endpoint::Completions)
+        } else if path.ends_with("/responses") {
+            Some(Endpoint::Responses)
+        } else {
+            None
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "completions",
+            Endpoint::ChatCompletions => "chat_completions",
+            Endpoint::Responses => "responses",
+        }
+    }
+}
+
+pub const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
+
+/// What the prefill request asks of vLLM's NIXL connector: keep the KV for a remote decode.
+pub const REMOTE_DECODE_REQUEST: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+
+/// An error answered to the client in the OpenAI shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientError {
+    pub status: u16,
+    pub error_type: String,
+    pub message: String,
+}
+
+impl ClientError {
+    fn new(status: u16, message: impl Into<String>) -> ClientError {
+        ClientError {
+            status,
+            error_type: default_error_type(status).to_owned(),
+            message: message.into(),
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> ClientError {
+        ClientError::new(400, message)
+    }
+
+    pub fn payload_too_large(limit: usize) -> ClientError {
+        ClientError::new(
+            413,
+            format!("request body is larger than the limit of {limit} bytes"),
+        )
+    }
+
+    pub fn unsupported_media_type(content_type: &str) -> ClientError {
+        ClientError::new(
+            415,
+            format!("content-type must be application/json, got {content_type:?}"),
+        )
+    }
+
+    /// The callout could not even be sent (for example, the cluster does not exist).
+    pub fn prefill_not_dispatched(cluster: &str) -> ClientError {
+        ClientError::new(
+            503,
+            format!(
+                "prefill request could not be sent to cluster {cluster:?}; is it defined in Envoy?"
+            ),
+        )
+    }
+
+    pub fn internal(message: impl Into<String>) -> ClientError {
+        ClientError::new(500, message)
+    }
+
+    /// `{"error":{"message":…,"type":…,"param":null,"code":status}}`
+    pub fn to_json(&self) -> Vec<u8> {
+        #[derive(serde::Serialize)]
+        struct Envelope<'a> {
+            error: Detail<'a>,
+        }
+        #[derive(serde::Serialize)]
+        struct Detail<'a> {
+            message: &'a str,
+            #[serde(rename = "type")]
+            error_type: &'a str,
+            param: Option<()>,
+            code: u16,
+        }
+        let envelope = Envelope {
+            error: Detail {
+                message: &self.message,
+                error_type: &self.error_type,
+                param: None,
+                code: self.status,
+            },
+        };
+        serde_json::to_vec(&envelope).unwrap_or_else(|_| {
+            br#"{"error":{"message":"pd-filter error","type":"InternalServerError","param":null,"code":500}}"#.to_vec()
+        })
+    }
+}
+
+fn default_error_type(status: u16) -> &'static str {
+    match status {
+        400 => "BadRequestError",
+        401 => "AuthenticationError",
+        403 => "PermissionDeniedError",
+        404 => "NotFoundError",
+        413 => "RequestTooLargeError",
+        415 => "UnsupportedMediaTypeError",
+        422 => "UnprocessableEntityError",
+        429 => "RateLimitError",
+        502 => "BadGatewayError",
+        503 => "ServiceUnavailableError",
+        504 => "GatewayTimeoutError",
+        405..=412 | 414 | 416..=421 | 423..=428 | 430..=499 => "InvalidRequestError",
+        _ => "InternalServerError",
+    }
+}
+
+/// Checks the request's content-type: JSON, or absent (curl without `-H`).
+pub fn check_content_type(content_type: Option<&str>) -> Result<(), ClientError> {
+    let Some(value) = content_type else {
+        return Ok(());
+    };
+    let essence = value.split(';').next().unwrap_or("").trim();
+    let is_json = essence.eq_ignore_ascii_case("application/json")
+        || (essence.len() > 5
+            && essence
+                .get(essence.len() - 5..)
+                .is_some_and(|tail| tail.eq_ignore_ascii_case("+json")));
+    if is_json {
+        Ok(())
+    } else {
+        Err(ClientError::unsupported_media_type(value))
+    }
+}
+
+/// A client request that passed validation: the body for prefill, and where decode's
+/// `kv_transfer_params` go in the original body (kept by the caller).
+#[derive(Debug)]
+pub struct PreparedRequest {
+    pub prefill_body: Vec<u8>,
+    pub decode_plan: DecodePlan,
+}
+
+/// Where `kv_transfer_params` go in the original body, found during the one parse.
+#[derive(Debug, Clone)]
+pub struct DecodePlan {
+    /// Values of every client `kv_transfer_params` member: replaced.
+    existing: Vec<Range<usize>>,
+    /// When there is none: offset of the closing brace, and whether a comma is needed.
+    insert_at: usize,
+    needs_comma: bool,
+}
+
+/// Validates the client body and writes the prefill request for it.
+pub fn prepare(endpoint: Endpoint, body: &[u8]) -> Result<PreparedRequest, ClientError> {
+    if body.is_empty() {
+        return Err(ClientError::bad_request("request body is empty"));
+    }
+    let text = std::str::from_utf8(body)
+        .map_err(|e| ClientError::bad_request(format!("request body is not valid UTF-8: {e}")))?;
+    let object = TopLevelObject::parse(text)
+        .map_err(|e| ClientError::bad_request(format!("request body is not a JSON object: {e}")))?;
+    let prefill_body = prefill_body(endpoint, &object);
+    let existing: Vec<Range<usize>> = object
+        .members()
+        .iter()
+        .filter(|m| m.key == KV_TRANSFER_PARAMS)
+        .map(|m| m.value.clone())
+        .collect();
+    let decode_plan = DecodePlan {
+        existing,
+        insert_at: object.close_brace(),
+        needs_comma: !object.members().is_empty(),
+    };
+    Ok(PreparedRequest {
+        prefill_body,
+        decode_plan,
+    })
+}
+
+/// The client's body, capped to one generated token, not streamed, asking for remote decode.
+fn prefill_body(endpoint: Endpoint, object: &TopLevelObject) -> Vec<u8> {
+    const ONE: &[u8] = b"1";
+    let edit = |key: &str| match key {
+        "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n" => Edit::Replace(ONE),
+        "stream" => Edit::Replace(b"false"),
+        KV_TRANSFER_PARAMS => Edit::Replace(REMOTE_DECODE_REQUEST),
+        "min_tokens" | "min_completion_tokens" | "stream_options" => Edit::Remove,
+        _ => Edit::Keep,
+    };
+    let mut append: Vec<(&str, &[u8])> = Vec::with_capacity(4);
+    if !object.has("max_tokens") {
+        append.push(("max_tokens", ONE));
+    }
+    if endpoint == Endpoint::Responses && !object.has("max_output_tokens") {
+        append.push(("max_output_tokens", ONE));
+    }
+    if !object.has("stream") {
+        append.push(("stream", b"false"));
+    }
+    if !object.has(KV_TRANSFER_PARAMS) {
+        append.push((KV_TRANSFER_PARAMS, REMOTE_DECODE_REQUEST));
+    }
+    object.splice(edit, &append)
+}
+
+/// The client's original body with `kv_transfer_params` set to what prefill returned;
+/// every other byte is kept.
+pub fn decode_body(original: &[u8], plan: &DecodePlan, kv_transfer_params: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(original.len() + kv_transfer_params.len() + 32);
+    if plan.existing.is_empty() {
+        let (head, tail) = original.split_at(plan.insert_at.min(original.len()));
+        out.extend_from_slice(head);
+        if plan.needs_comma {
+            out.push(b',');
+        }
+        out.extend_from_slice(b"\"kv_transfer_params\":");
+        out.extend_from_slice(kv_transfer_params);
+        out.extend_from_slice(tail);
+    } else {
+        let mut cursor = 0;
+        for range in &plan.existing {
+            out.extend_from_slice(original.get(cursor..range.start).unwrap_or_default());
+            out.extend_from_slice(kv_transfer_params);
+            cursor = range.end;
+        }
+        out.extend_from_slice(original.get(cursor..).unwrap_or_default());
+    }
+    out
+}
+
+/// What the prefill answer means for the request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum PrefillOutcome<'a> {
+    /// Forward these `kv_transfer_params` (raw JSON object text) to decode.
+    KvTransferParams(&'a [u8]),
+    /// Send the original body to decode without them; the reason is logged.
+    RecomputeOnDecode(String),
+}
+
+/// Reads the prefill answer. `status` is `None` when the callout ended without response
+/// headers (the connection was reset).
+pub fn interpret_prefill_response<'a>(
+    status: Option<u16>,
+    body: &'a [u8],
+    policy: MissingKvPolicy,
+) -> Result<PrefillOutcome<'a>, ClientError> {
+    let Some(status) = status else {
+        return Err(ClientError::new(
+            502,
+            "prefill connection was reset before it answered",
+        ));
+    };
+    match status {
+        200..=299 => match find_kv_transfer_params(body) {
+            Ok(kv) => Ok(PrefillOutcome::KvTransferParams(kv)),
+            Err(reason) => match policy {
+                MissingKvPolicy::RecomputeOnDecode => Ok(PrefillOutcome::RecomputeOnDecode(reason)),
+                MissingKvPolicy::Fail => Err(ClientError::new(502, reason)),
+            },
+        },
+        400..=499 => {
+            let (error_type, message) = upstream_error(body);
+            Err(ClientError {
+                status,
+                error_type: error_type.unwrap_or_else(|| default_error_type(status).to_owned()),
+                message: format!("prefill rejected the request ({status}): {message}"),
+            })
+        }
+        503 => Err(ClientError::new(
+            503,
+            format!("prefill is unavailable (503): {}", upstream_error(body).1),
+        )),
+        504 => Err(ClientError::new(
+            504,
+            format!("prefill timed out (504): {}", upstream_error(body).1),
+        )),
+        _ => Err(ClientError::new(
+            502,
+            format!("prefill failed ({status}): {}", upstream_error(body).1),
+        )),
+    }
+}
+
+fn find_kv_transfer_params(body: &[u8]) -> Result<&[u8], String> {
+    let text =
+        std::str::from_utf8(body).map_err(|_| "prefill answer is not valid UTF-8".to_owned())?;
+    let object = TopLevelObject::parse(text)
+        .map_err(|e| format!("prefill answer is not a JSON object: {e}"))?;
+    match object.last_value(KV_TRANSFER_PARAMS) {
+        None => Err("prefill answer has no kv_transfer_params".to_owned()),
+        Some("null") => Err("prefill answer has kv_transfer_params null".to_owned()),
+        Some(value) if value.starts_with('{') => Ok(value.as_bytes()),
+        Some(_) => Err("kv_transfer_params in the prefill answer is not an object".to_owned()),
+    }
+}
+
+const MAX_QUOTED_UPSTREAM_TEXT: usize = 512;
+
+/// The `error.type` and `error.message` of an upstream error body, or its text.
+fn upstream_error(body: &[u8]) -> (Option<String>, String) {
+    #[derive(serde::Deserialize)]
+    struct Envelope {
+        error: Detail,
+    }
+    #[derive(serde::Deserialize)]
+    struct Detail {
+        message: Option<String>,
+        #[serde(rename = "type")]
+        error_type: Option<String>,
+    }
+    if let Ok(Envelope { error }) = serde_json::from_slice::<Envelope>(body) {
+        if let Some(message) = error.message {
+            return (error.error_type, message);
+        }
+    }
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    if text.is_empty() {
+        return (None, "no details in the answer".to_owned());
+    }
+    let mut end = text.len().min(MAX_QUOTED_UPSTREAM_TEXT);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    (None, text.get(..end).unwrap_or_default().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn prefill_json(endpoint: Endpoint, body: &str) -> Value {
+        let prepared = prepare(endpoint, body.as_bytes()).unwrap();
+        serde_json::from_slice(&prepared.prefill_body).unwrap()
+    }
+
+    fn remote_decode() -> Value {
+        serde_json::from_slice(REMOTE_DECODE_REQUEST).unwrap()
+    }
+
+    #[test]
+    fn completions_prefill_is_capped_unstreamed_and_asks_for_remote_decode() {
+        let body = r#"{"model":"m","prompt":"hi","max_tokens":200,"min_tokens":50,"stream":true,"stream_options":{"include_usage":true},"n":3,"temperature":0.7}"#;
+        assert_eq!(
+            prefill_json(Endpoint::Completions, body),
+            json!({"model":"m","prompt":"hi","max_tokens":1,"stream":false,"n":1,
+                   "temperature":0.7,"kv_transfer_params":remote_decode()})
+        );
+    }
+
+    #[test]
+    fn min_tokens_without_max_tokens_is_removed_and_max_tokens_added() {
+        let body = r#"{"prompt":"hi","min_tokens":200,"min_completion_tokens":3}"#;
+        assert_eq!(
+            prefill_json(Endpoint::Completions, body),
+            json!({"prompt":"hi","max_tokens":1,"stream":false,"kv_transfer_params":remote_decode()})
+        );
+    }
+
+    #[test]
+    fn chat_caps_both_limits_where_present() {
+        let body = r#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":300,"max_tokens":100}"#;
+        let prefill = prefill_json(Endpoint::ChatCompletions, body);
+        assert_eq!(prefill["max_completion_tokens"], 1);
+        assert_eq!(prefill["max_tokens"], 1);
+        let only_completion = prefill_json(
+            Endpoint::ChatCompletions,
+            r#"{"messages":[],"max_completion_tokens":300}"#,
+        );
+        assert_eq!(only_completion["max_completion_tokens"], 1);
+        assert_eq!(only_completion["max_tokens"], 1);
+    }
+
+    #[test]
+    fn responses_are_capped_with_max_output_tokens_even_when_absent() {
+        let absent = prefill_json(Endpoint::Responses, r#"{"input":"hi","max_tokens":9}"#);
+        assert_eq!(absent["max_output_tokens"], 1);
+        let present = prefill_json(
+            Endpoint::Responses,
+            r#"{"input":"hi","max_output_tokens":900}"#,
+        );
+        assert_eq!(present["max_output_tokens"], 1);
+        let not_responses = prefill_json(Endpoint::Completions, r#"{"prompt":"hi"}"#);
+        assert!(not_responses.get("max_output_tokens").is_none());
+    }
+
+    #[test]
+    fn client_kv_transfer_params_are_replaced_on_prefill() {
+        let prefill = prefill_json(
+            Endpoint::Completions,
+            r#"{"prompt":"x","kv_transfer_params":"junk","kv_transfer_params":{"a":1}}"#,
+        );
+        assert_eq!(prefill["kv_transfer_params"], remote_decode());
+    }
+
+    #[test]
+    fn duplicate_limit_keys_are_all_capped() {
+        let prepared = prepare(
+            Endpoint::Completions,
+            br#"{"max_tokens":5,"prompt":"x","max_tokens":7}"#,
+        )
+        .unwrap();
+        let text = String::from_utf8(prepared.prefill_body).unwrap();
+        assert!(
+            text.starts_with(r#"{"max_tokens":1,"prompt":"x","max_tokens":1,"#),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn escaped_keys_are_recognised() {
+        let prefill = prefill_json(
+            Endpoint::Completions,
+            r#"{"prompt":"x","max\u005ftokens":50}"#,
+        );
+        assert_eq!(prefill["max_tokens"], 1);
+    }
+
+    #[test]
+    fn decode_body_keeps_every_other_byte() {
+        let original = "{\"prompt\": \"caf\\u00e9 \u{1F600}\",\n \"max_tokens\": 123456789012345678901234567890, \"temperature\": 1.50e0, \"stream\": true }";
+        let prepared = prepare(Endpoint::Completions, original.as_bytes()).unwrap();
+        let decode = decode_body(original.as_bytes(), &prepared.decode_plan, br#"{"k":1}"#);
+        let expected = format!(
+            "{},\"kv_transfer_params\":{{\"k\":1}}}}",
+            &original[..original.len() - 1]
+        );
+        assert_eq!(String::from_utf8(decode).unwrap(), expected);
+    }
+
+    #[test]
+    fn decode_body_replaces_client_kv_transfer_params_in_place() {
+        let original = br#"{"kv_transfer_params": 7, "prompt":"x"}"#;
+        let prepared = prepare(Endpoint::Completions, original).unwrap();
+        let decode = decode_body(original, &prepared.decode_plan, br#"{"k":1}"#);
+        assert_eq!(decode, br#"{"kv_transfer_params": {"k":1}, "prompt":"x"}"#);
+    }
+
+    #[test]
+    fn decode_body_of_an_empty_object() {
+        let prepared = prepare(Endpoint::Completions, b"{}").unwrap();
+        assert_eq!(
+            decode_body(b"{}", &prepared.decode_plan, b"{}"),
+            br#"{"kv_transfer_params":{}}"#
+        );
+    }
+
+    #[test]
+    fn bad_bodies_are_400_with_a_reason() {
+        let cases: &[(&[u8], &str)] = &[
+            (b"", "empty"),
+            (b"not json", "not a JSON object"),
+            (b"[1,2]", "not a JSON object"),
+            (b"\"text\"", "not a JSON object"),
+            (b"{\"prompt\":\"\xff\"}", "not valid UTF-8"),
+            (b"{\"a\":1} {}", "not a JSON object"),
+        ];
+        for (body, reason) in cases {
+            let err = prepare(Endpoint::Completions, body).unwrap_err();
+            assert_eq!(err.status, 400);
+            assert!(err.message.contains(reason), "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn content_type_must_be_json_when_given() {
+        assert!(check_content_type(None).is_ok());
+        assert!(check_content_type(Some("application/json")).is_ok());
+        assert!(check_content_type(Some("Application/JSON; charset=utf-8")).is_ok());
+        assert!(check_content_type(Some("application/vnd.api+json")).is_ok());
+        let err = check_content_type(Some("application/x-www-form-urlencoded")).unwrap_err();
+        assert_eq!(err.status, 415);
+    }
+
+    #[test]
+    fn error_body_has_the_openai_shape() {
+        let body = ClientError::bad_request("say \"no\"").to_json();
+        assert_eq!(
+            String::from_utf8(body).unwrap(),
+            r#"{"error":{"message":"say \"no\"","type":"BadRequestError","param":null,"code":400}}"#
+        );
+    }
+
+    const POLICY: MissingKvPolicy = MissingKvPolicy::RecomputeOnDecode;
+
+    #[test]
+    fn prefill_kv_transfer_params_are_taken_verbatim() {
+        let body = br#"{"id":"x","kv_transfer_params":{"remote_block_ids":[1, 2],"remote_port":5600, "x":1e400}}"#;
+        assert_eq!(
+            interpret_prefill_response(Some(200), body, POLICY).unwrap(),
+            PrefillOutcome::KvTransferParams(
+                br#"{"remote_block_ids":[1, 2],"remote_port":5600, "x":1e400}"#
+            )
+        );
+    }
+
+    #[test]
+    fn prefill_without_usable_kv_follows_the_policy() {
+        for body in [
+            &br#"{"id":"x"}"#[..],
+            br#"{"kv_transfer_params":null}"#,
+            br#"{"kv_transfer_params":"s"}"#,
+            b"not json",
+            b"",
+        ] {
+            assert!(matches!(
+                interpret_prefill_response(Some(200), body, POLICY),
+                Ok(PrefillOutcome::RecomputeOnDecode(_))
+            ));
+            let err =
+                interpret_prefill_response(Some(200), body, MissingKvPolicy::Fail).unwrap_err();
+            assert_eq!(err.status, 502);
+        }
+    }
+
+    #[test]
+    fn prefill_client_errors_pass_on_status_and_message() {
+        let body = br#"{"error":{"message":"min_tokens must be less than or equal to max_tokens=1, got 200.","type":"BadRequestError","param":null,"code":400}}"#;
+        let err = interpret_prefill_response(Some(400), body, POLICY).unwrap_err();
+        assert_eq!(err.status, 400);
+        assert_eq!(err.error_type, "BadRequestError");
+        assert_eq!(
+            err.message,
+            "prefill rejected the request (400): min_tokens must be less than or equal to max_tokens=1, got 200."
+        );
+    }
+
+    #[test]
+    fn prefill_server_failures_map_to_gateway_statuses() {
+        let cases: &[(Option<u16>, &[u8], u16, &str)] = &[
+            (None, b"", 502, "reset"),
+            (
+                Some(500),
+                br#"{"error":{"message":"boom"}}"#,
+                502,
+                "prefill failed (500): boom",
+            ),
+            (
+                Some(503),
+                b"upstream connect error",
+                503,
+                "prefill is unavailable (503): upstream connect error",
+            ),
+            (
+                Some(504),
+                b"upstream request timeout",
+                504,
+                "prefill timed out (504): upstream request timeout",
+            ),
+            (Some(302), b"", 502, "no details"),
+        ];
+        for (status, body, expected, text) in cases {
+            let err = interpret_prefill_response(*status, body, POLICY).unwrap_err();
+            assert_eq!(err.status, *expected);
+            assert!(err.message.contains(text), "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn long_upstream_text_is_truncated_on_a_char_boundary() {
+        let body = "é".repeat(1000);
+        let err = interpret_prefill_response(Some(500), body.as_bytes(), POLICY).unwrap_err();
+        assert!(err.message.len() < 600);
+    }
+}
