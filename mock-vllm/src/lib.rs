@@ -1,0 +1,490 @@
+//! Mock vLLM servers for the prefill and decode roles of P/D disaggregation (NIXL connector).
+//!
+//! See `/work/shared/vllm-pd-protocol.md` for the protocol followed here.
+
+mod proto;
+
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::{channel::Channel, combinators::BoxBody, BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use proto::{Answer, Endpoint, Parsed};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    /// "prefill" or "decode".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// One inference request as the mock received it.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct RecordedRequest {
+    pub role: Role,
+    /// Path including the query string, as received.
+    pub path: String,
+    /// All request headers in order, names lowercase.
+    pub headers: Vec<(String, String)>,
+    /// The exact body bytes (serialized as a lossy UTF-8 string).
+    #[serde(serialize_with = "lossy_str")]
+    pub body: Vec<u8>,
+}
+
+fn lossy_str<S: serde::Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&String::from_utf8_lossy(bytes))
+}
+
+impl RecordedRequest {
+    /// The first header with that name (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body parsed as JSON, `Value::Null` if it is not JSON.
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+struct Shared {
+    role: Role,
+    port: u16,
+    log: Mutex<Vec<RecordedRequest>>,
+    next_id: AtomicU64,
+    next_block: AtomicU64,
+}
+
+/// A mock vLLM server running on the current tokio runtime; stops accepting when dropped.
+pub struct MockServer {
+    shared: Arc<Shared>,
+    addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl MockServer {
+    /// Binds `addr` (e.g. "127.0.0.1:0") and serves `role` on the current tokio runtime.
+    pub async fn start(role: Role, addr: &str) -> io::Result<MockServer> {
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            role,
+            port: addr.port(),
+            log: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+            next_block: AtomicU64::new(1),
+        });
+        let task = tokio::spawn(accept_loop(listener, shared.clone()));
+        Ok(MockServer { shared, addr, task })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Every request whose body was read completely, in arrival order.
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        self.shared.log.lock().unwrap().clone()
+    }
+
+    /// The recorded requests whose `x-request-id` header equals `id`.
+    pub fn requests_with_id(&self, id: &str) -> Vec<RecordedRequest> {
+        self.shared.with_id(Some(id))
+    }
+}
+
+impl Drop for MockServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Shared {
+    fn with_id(&self, id: Option<&str>) -> Vec<RecordedRequest> {
+        let log = self.log.lock().unwrap();
+        log.iter()
+            .filter(|r| id.is_none() || r.header("x-request-id") == id)
+            .cloned()
+            .collect()
+    }
+}
+
+async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(_) => {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| handle(shared.clone(), req));
+            // Errors (client resets, injected faults) just end the connection.
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+type Body = BoxBody<Bytes, io::Error>;
+
+fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into())
+        .map_err(|never: Infallible| match never {})
+        .boxed()
+}
+
+fn json_response(status: StatusCode, value: &Value) -> Response<Body> {
+    let mut resp = Response::new(full(value.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+fn error_response(status: u16, message: &str) -> Response<Body> {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json_response(status, &proto::error_body(status.as_u16(), message))
+}
+
+/// A response whose body is fed chunk by chunk; the task aborts it (dropping the connection)
+/// after `cut_after` chunks when set.
+fn channel_response(chunks: Vec<Bytes>, cut_after: Option<usize>) -> Response<Body> {
+    let (mut tx, body) = Channel::<Bytes, io::Error>::new(4);
+    tokio::spawn(async move {
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            if cut_after == Some(i) {
+                break;
+            }
+            if tx.send_data(chunk).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        if cut_after.is_some() {
+            // Let the bytes already sent reach the socket before the connection is dropped.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            tx.abort(io::Error::other("mock: connection dropped mid-answer"));
+        }
+    });
+    Response::new(body.boxed())
+}
+
+async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> io::Result<Response<Body>> {
+    let path = req.uri().path().to_string();
+    if req.method() == Method::POST {
+        if let Some(endpoint) = Endpoint::from_path(&path) {
+            return inference(&shared, endpoint, req).await;
+        }
+    }
+    if req.method() != Method::GET {
+        return Ok(error_response(404, &format!("Not Found: {path}")));
+    }
+    Ok(match path.as_str() {
+        "/health" => Response::new(full("")),
+        "/v1/models" => json_response(
+            StatusCode::OK,
+            &json!({"object": "list", "data": [{"id": "mock-model", "object": "model",
+                "created": now(), "owned_by": "mock-vllm", "root": "mock-model",
+                "parent": null, "max_model_len": 4096}]}),
+        ),
+        "/mock/requests" => {
+            let id = req.uri().query().and_then(|q| query_param(q, "request_id"));
+            let list = serde_json::to_value(shared.with_id(id.as_deref()))?;
+            json_response(StatusCode::OK, &list)
+        }
+        _ => error_response(404, &format!("Not Found: {path}")),
+    })
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn query_param(query: &str, name: &str) -> Option<String> {
+    query.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (k == name).then(|| percent_decode(v))
+    })
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| u8::from_str_radix(std::str::from_utf8(h).ok()?, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+            (b'+', _) => out.push(b' '),
+            (b, _) => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Fault-injection directives found in a request body, for one role.
+#[derive(Default)]
+struct Faults {
+    status: Option<u64>,
+    delay_ms: Option<u64>,
+    reset: bool,
+    reset_mid: bool,
+    no_kv: bool,
+    null_kv: bool,
+    kv_not_object: bool,
+    non_json: bool,
+    huge: Option<u64>,
+}
+
+impl Faults {
+    fn parse(raw: &str, role: Role) -> Faults {
+        let key = |name: &str| format!("mock:{}_{name}", role.as_str());
+        let flag = |name: &str| has_flag(raw, &key(name));
+        let num = |name: &str| number_arg(raw, &format!("{}=", key(name)));
+        let prefill = role == Role::Prefill;
+        Faults {
+            status: num("status"),
+            delay_ms: num("delay_ms"),
+            reset: prefill && flag("reset"),
+            reset_mid: flag(if prefill {
+                "reset_mid_answer"
+            } else {
+                "reset_mid_stream"
+            }),
+            no_kv: prefill && flag("no_kv"),
+            null_kv: prefill && flag("null_kv"),
+            kv_not_object: prefill && flag("kv_not_object"),
+            non_json: prefill && flag("non_json"),
+            huge: if prefill { num("huge") } else { None },
+        }
+    }
+}
+
+/// `pattern` occurs as a whole directive (not as a prefix of a longer one).
+fn has_flag(raw: &str, pattern: &str) -> bool {
+    raw.match_indices(pattern).any(|(i, _)| {
+        raw[i + pattern.len()..]
+            .chars()
+            .next()
+            .is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'))
+    })
+}
+
+fn number_arg(raw: &str, prefix: &str) -> Option<u64> {
+    raw.match_indices(prefix).find_map(|(i, _)| {
+        let rest = &raw[i + prefix.len()..];
+        let end = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        rest[..end].parse().ok()
+    })
+}
+
+async fn inference(
+    shared: &Shared,
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+) -> io::Result<Response<Body>> {
+    let path = req
+        .uri()
+        .path_and_query()
+        .map_or_else(|| req.uri().path().to_string(), |p| p.as_str().to_string());
+    let headers = req
+        .headers()
+        .iter()
+        .map(|(k, v)| {
+            let value = String::from_utf8_lossy(v.as_bytes()).into_owned();
+            (k.as_str().to_ascii_lowercase(), value)
+        })
+        .collect();
+    // An incomplete body (client reset) is an error: nothing is recorded or answered.
+    let body = req
+        .into_body()
+        .collect()
+        .await
+        .map_err(io::Error::other)?
+        .to_bytes();
+    let role = shared.role;
+    shared.log.lock().unwrap().push(RecordedRequest {
+        role,
+        path,
+        headers,
+        body: body.to_vec(),
+    });
+
+    let faults = Faults::parse(&String::from_utf8_lossy(&body), role);
+    if let Some(ms) = faults.delay_ms {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    if let Some(status) = faults.status {
+        let status = u16::try_from(status).unwrap_or(500);
+        let message = format!("mock {} failure {status}", role.as_str());
+        return Ok(error_response(status, &message));
+    }
+    if faults.reset {
+        // Returning an error makes hyper close the connection without writing anything.
+        return Err(io::Error::other("mock: prefill_reset"));
+    }
+    if faults.non_json {
+        let mut resp = Response::new(full("this is not json"));
+        resp.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        return Ok(resp);
+    }
+    let parsed = match proto::parse(endpoint, &body) {
+        Ok(parsed) => parsed,
+        Err(message) => return Ok(error_response(400, &message)),
+    };
+    Ok(match role {
+        Role::Prefill => prefill(shared, &parsed, &faults),
+        Role::Decode => decode(shared, &parsed, &faults),
+    })
+}
+
+fn answer(shared: &Shared, parsed: &Parsed, tokens: Vec<String>) -> Answer {
+    let prefix = match parsed.endpoint {
+        Endpoint::Completions => "cmpl",
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Responses => "resp",
+    };
+    let seq = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    Answer {
+        endpoint: parsed.endpoint,
+        id: format!(
+            "{prefix}-mock-{}-{}-{seq}",
+            shared.role.as_str(),
+            shared.port
+        ),
+        created: now(),
+        model: parsed.model.clone(),
+        n: parsed.n,
+        prompt_tokens: parsed.prompt_tokens(),
+        tokens,
+    }
+}
+
+fn sse_response(answer: &Answer, include_usage: bool, cut: bool) -> Response<Body> {
+    let events = answer.events(include_usage);
+    let chunks = events.into_iter().map(Bytes::from).collect();
+    let mut resp = channel_response(chunks, cut.then_some(2));
+    let headers = resp.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert("cache-control", HeaderValue::from_static("no-cache"));
+    resp
+}
+
+/// A JSON answer, or with `cut` one that announces its full length and stops halfway.
+fn object_response(object: &Value, cut: bool) -> Response<Body> {
+    if !cut {
+        return json_response(StatusCode::OK, object);
+    }
+    let bytes = Bytes::from(object.to_string());
+    let half = bytes.slice(..bytes.len() / 2);
+    let mut resp = channel_response(vec![half], Some(1));
+    let headers = resp.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+    resp
+}
+
+fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
+    let generated = parsed.limit.min(40);
+    let tokens = proto::generate("prefill", &parsed.prompt, generated, false);
+    let answer = answer(shared, parsed, tokens);
+    if parsed.stream {
+        // vLLM only returns kv_transfer_params on non-streamed answers.
+        return sse_response(&answer, parsed.include_usage, faults.reset_mid);
+    }
+    let wants_kv =
+        parsed.kv.as_ref().and_then(|kv| kv.get("do_remote_decode")) == Some(&Value::Bool(true));
+    let kv = if faults.kv_not_object {
+        json!("oops")
+    } else if faults.null_kv || !wants_kv {
+        Value::Null
+    } else {
+        let prompt_tokens = parsed.prompt_tokens();
+        let blocks = prompt_tokens.div_ceil(16);
+        let first = shared.next_block.fetch_add(blocks, Ordering::Relaxed);
+        let seq = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        json!({
+            "do_remote_prefill": true, "do_remote_decode": false,
+            "remote_engine_id": format!("mock-prefill-{}", shared.port),
+            "remote_request_id": format!("mock-prefill-{}-req-{seq}", shared.port),
+            "remote_block_ids": (first..first + blocks).collect::<Vec<_>>(),
+            "remote_host": "127.0.0.1", "remote_port": shared.port, "tp_size": 1,
+            "remote_num_tokens": prompt_tokens + generated,
+            "mock_prompt_fingerprint": parsed.fingerprint(),
+        })
+    };
+    let mut object = answer.object();
+    if !faults.no_kv {
+        object["kv_transfer_params"] = kv;
+    }
+    if let Some(size) = faults.huge {
+        object["padding"] = Value::String("x".repeat(size as usize));
+    }
+    object_response(&object, faults.reset_mid)
+}
+
+fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
+    let outcome = proto::kv_outcome(
+        parsed.kv.as_ref(),
+        &parsed.fingerprint(),
+        parsed.prompt_tokens(),
+    );
+    let garbage = outcome == "mismatch";
+    let tokens = proto::generate("decode", &parsed.prompt, parsed.limit, garbage);
+    let answer = answer(shared, parsed, tokens);
+    let mut resp = if parsed.stream {
+        sse_response(&answer, parsed.include_usage, faults.reset_mid)
+    } else {
+        object_response(&answer.object(), faults.reset_mid)
+    };
+    resp.headers_mut()
+        .insert("x-mock-kv", HeaderValue::from_static(outcome));
+    resp
+}

@@ -1,0 +1,67 @@
+//! `mock-vllm --prefill ADDR --decode ADDR`: mock vLLM prefill and/or decode servers.
+
+use mock_vllm::{MockServer, Role};
+
+const USAGE: &str = "usage: mock-vllm [--prefill ADDR] [--decode ADDR]  (at least one)";
+
+fn parse_args(args: &[String]) -> Result<Vec<(Role, String)>, String> {
+    let mut roles = Vec::new();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((flag, value)) => (flag, Some(value.to_string())),
+            None => (arg.as_str(), None),
+        };
+        let role = match flag {
+            "--prefill" => Role::Prefill,
+            "--decode" => Role::Decode,
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown argument: {other}")),
+        };
+        let addr = match inline {
+            Some(addr) => addr,
+            None => iter
+                .next()
+                .cloned()
+                .ok_or(format!("{flag} needs an address"))?,
+        };
+        roles.push((role, addr));
+    }
+    if roles.is_empty() {
+        return Err("give --prefill and/or --decode".into());
+    }
+    Ok(roles)
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let roles = match parse_args(&args) {
+        Ok(roles) => roles,
+        Err(message) => {
+            if !message.is_empty() {
+                eprintln!("mock-vllm: {message}");
+            }
+            eprintln!("{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    let mut servers = Vec::new();
+    for (role, addr) in roles {
+        match MockServer::start(role, &addr).await {
+            Ok(server) => {
+                println!(
+                    "mock-vllm {} listening on {}",
+                    role.as_str(),
+                    server.local_addr()
+                );
+                servers.push(server);
+            }
+            Err(e) => {
+                eprintln!("mock-vllm: cannot bind {} on {addr}: {e}", role.as_str());
+                std::process::exit(1);
+            }
+        }
+    }
+    std::future::pending::<()>().await;
+}

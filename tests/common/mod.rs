@@ -1,0 +1,410 @@
+//! One real Envoy with the built filter and a pair of mock vLLM servers, shared by the tests
+//! of one test binary. Each listener runs the filter with a different plugin configuration.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, OnceLock};
+use std::time::{Duration, Instant};
+
+use mock_vllm::{MockServer, RecordedRequest, Role};
+
+/// The listeners of the test Envoy: name and plugin configuration.
+pub const LISTENERS: &[(&str, &str)] = &[
+    // An empty configuration: every default.
+    ("default", ""),
+    (
+        "strict",
+        r#"{"on_missing_kv_transfer_params":"fail","prefill_timeout_ms":1500,"max_request_body_bytes":65536}"#,
+    ),
+    (
+        "unreachable",
+        r#"{"prefill_cluster":"prefill_unreachable"}"#,
+    ),
+    (
+        "unknown_cluster",
+        r#"{"prefill_cluster":"no_such_cluster"}"#,
+    ),
+];
+
+pub struct Harness {
+    pub prefill: MockServer,
+    pub decode: MockServer,
+    listener_ports: Vec<(String, u16)>,
+    pub admin_port: u16,
+    pub envoy_log: PathBuf,
+}
+
+impl Harness {
+    pub fn url(&self, listener: &str, path: &str) -> String {
+        let port = self
+            .listener_ports
+            .iter()
+            .find(|(name, _)| name == listener)
+            .map(|(_, port)| *port)
+            .unwrap_or_else(|| panic!("no listener {listener}"));
+        format!("http://127.0.0.1:{port}{path}")
+    }
+
+    pub fn prefill_requests(&self, id: &str) -> Vec<RecordedRequest> {
+        self.prefill.requests_with_id(id)
+    }
+
+    pub fn decode_requests(&self, id: &str) -> Vec<RecordedRequest> {
+        self.decode.requests_with_id(id)
+    }
+
+    /// The one prefill request carrying `id`.
+    pub fn only_prefill(&self, id: &str) -> RecordedRequest {
+        let mut requests = self.prefill_requests(id);
+        assert_eq!(requests.len(), 1, "prefill requests for {id}: {requests:?}");
+        requests.remove(0)
+    }
+
+    /// The one decode request carrying `id`.
+    pub fn only_decode(&self, id: &str) -> RecordedRequest {
+        let mut requests = self.decode_requests(id);
+        assert_eq!(requests.len(), 1, "decode requests for {id}: {requests:?}");
+        requests.remove(0)
+    }
+
+    pub fn envoy_log_text(&self) -> String {
+        std::fs::read_to_string(&self.envoy_log).unwrap_or_default()
+    }
+}
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn wasm_path() -> PathBuf {
+    let path = std::env::var_os("PD_FILTER_WASM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("target/wasm32-wasip1/release/pd_filter.wasm"));
+    assert!(
+        path.exists(),
+        "{} is missing: run `make build` first (make test does)",
+        path.display()
+    );
+    path
+}
+
+pub fn envoy_binary() -> PathBuf {
+    if let Some(path) = std::env::var_os("ENVOY_BIN") {
+        return PathBuf::from(path);
+    }
+    let venv = repo_root().join(".venv/bin/envoy");
+    if venv.exists() {
+        return venv;
+    }
+    PathBuf::from("envoy")
+}
+
+static HARNESS: OnceLock<Harness> = OnceLock::new();
+
+/// The shared stack, started on first use.
+pub fn harness() -> &'static Harness {
+    HARNESS.get_or_init(start)
+}
+
+fn start() -> Harness {
+    let (sender, receiver) = mpsc::channel();
+    // This thread lives as long as the test process: it owns the mocks' runtime and is the
+    // parent of Envoy, which gets SIGKILL when it goes away.
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime");
+        let (prefill, decode) = runtime.block_on(async {
+            (
+                MockServer::start(Role::Prefill, "127.0.0.1:0")
+                    .await
+                    .expect("prefill mock"),
+                MockServer::start(Role::Decode, "127.0.0.1:0")
+                    .await
+                    .expect("decode mock"),
+            )
+        });
+        let envoy = start_envoy(prefill.port(), decode.port());
+        sender
+            .send((prefill, decode, envoy))
+            .expect("harness receiver");
+        runtime.block_on(std::future::pending::<()>());
+    });
+    let (prefill, decode, (listener_ports, admin_port, envoy_log)) =
+        receiver.recv().expect("harness did not start");
+    Harness {
+        prefill,
+        decode,
+        listener_ports,
+        admin_port,
+        envoy_log,
+    }
+}
+
+fn closed_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("addr").port()
+}
+
+static RUN_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+fn start_envoy(prefill_port: u16, decode_port: u16) -> (Vec<(String, u16)>, u16, PathBuf) {
+    let dir = repo_root().join("target/envoy-test").join(format!(
+        "{}-{}",
+        std::process::id(),
+        RUN_COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).expect("test dir");
+    let config_path = dir.join("envoy.yaml");
+    let admin_path = dir.join("admin-address");
+    let log_path = dir.join("envoy.log");
+    let config = envoy_config(&wasm_path(), prefill_port, decode_port, closed_port());
+    std::fs::write(&config_path, config).expect("write envoy config");
+
+    let log_file = std::fs::File::create(&log_path).expect("envoy log");
+    let mut command = Command::new(envoy_binary());
+    command
+        .arg("-c")
+        .arg(&config_path)
+        .args(["--concurrency", "2", "--use-dynamic-base-id", "-l", "info"])
+        .arg("--admin-address-path")
+        .arg(&admin_path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log_file));
+    // SAFETY: prctl is async-signal-safe; it only asks the kernel to kill Envoy when the
+    // thread that started it (the harness thread) ends.
+    unsafe {
+        command.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut child: Child = command
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start envoy ({e}); run `make envoy` or set ENVOY_BIN"));
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "envoy exited with {status}:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
+        }
+        if let Some(found) = read_listener_ports(&admin_path) {
+            std::mem::forget(child);
+            return (found.0, found.1, log_path);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "envoy did not come up:\n{}",
+            std::fs::read_to_string(&log_path).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The ports Envoy bound for the listeners (all configured with port 0), once all are up.
+fn read_listener_ports(admin_path: &Path) -> Option<(Vec<(String, u16)>, u16)> {
+    let admin = std::fs::read_to_string(admin_path).ok()?;
+    let admin_port: u16 = admin.trim().rsplit(':').next()?.parse().ok()?;
+    let text = http_get(admin_port, "/listeners?format=json")?;
+    let value: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let mut ports = Vec::new();
+    for status in value["listener_statuses"].as_array()? {
+        let name = status["name"].as_str()?.to_owned();
+        let port = status["local_address"]["socket_address"]["port_value"].as_u64()? as u16;
+        ports.push((name, port));
+    }
+    (ports.len() == LISTENERS.len()).then_some((ports, admin_port))
+}
+
+/// A minimal blocking GET, for the admin endpoint.
+pub fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    if head.split(' ').nth(1) != Some("200") {
+        return None;
+    }
+    if !head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return Some(body.to_owned());
+    }
+    let mut rest = body;
+    let mut decoded = String::new();
+    loop {
+        let (size_line, after) = rest.split_once("\r\n")?;
+        let size = usize::from_str_radix(size_line.trim(), 16).ok()?;
+        if size == 0 {
+            return Some(decoded);
+        }
+        decoded.push_str(after.get(..size)?);
+        rest = after.get(size + 2..)?;
+    }
+}
+
+fn envoy_config(wasm: &Path, prefill_port: u16, decode_port: u16, closed_port: u16) -> String {
+    let mut listeners = String::new();
+    for (name, plugin_config) in LISTENERS {
+        listeners.push_str(&listener_yaml(name, plugin_config, wasm));
+    }
+    format!(
+        r#"admin:
+  address:
+    socket_address: {{ address: 127.0.0.1, port_value: 0 }}
+static_resources:
+  listeners:
+{listeners}
+  clusters:
+{prefill}
+{decode}
+{unreachable}
+"#,
+        prefill = cluster_yaml("prefill", prefill_port),
+        decode = cluster_yaml("decode", decode_port),
+        unreachable = cluster_yaml("prefill_unreachable", closed_port),
+    )
+}
+
+fn cluster_yaml(name: &str, port: u16) -> String {
+    format!(
+        r#"  - name: {name}
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: {name}
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address:
+              socket_address: {{ address: 127.0.0.1, port_value: {port} }}
+"#
+    )
+}
+
+fn listener_yaml(name: &str, plugin_config: &str, wasm: &Path) -> String {
+    let plugin_config = serde_json::to_string(plugin_config).expect("json string");
+    format!(
+        r#"  - name: {name}
+    address:
+      socket_address: {{ address: 127.0.0.1, port_value: 0 }}
+    per_connection_buffer_limit_bytes: 16777216
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: {name}
+          route_config:
+            virtual_hosts:
+            - name: decode
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route: {{ cluster: decode, timeout: 0s }}
+          http_filters:
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: pd-filter
+                root_id: pd-filter
+                failure_policy: FAIL_RELOAD
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: {plugin_config}
+                vm_config:
+                  vm_id: pd-filter-{name}
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{ local: {{ filename: "{wasm}" }} }}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"#,
+        wasm = wasm.display()
+    )
+}
+
+static ID_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A request id no other test uses.
+pub fn unique_id(label: &str) -> String {
+    format!(
+        "{label}-{}-{}",
+        std::process::id(),
+        ID_COUNTER.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .expect("http client")
+}
+
+pub struct Reply {
+    pub status: u16,
+    pub headers: reqwest::header::HeaderMap,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("reply is not JSON ({e}): {}", self.body))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// Asserts an OpenAI-style error with this status whose message contains `text`.
+    pub fn assert_error(&self, status: u16, text: &str) {
+        assert_eq!(self.status, status, "body: {}", self.body);
+        let body = self.json();
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(text), "message {message:?} lacks {text:?}");
+        assert_eq!(body["error"]["code"], status);
+        assert!(body["error"]["type"].is_string());
+    }
+}
+
+/// POSTs `body` as JSON with `x-request-id: id` to the listener.
+pub async fn post(listener: &str, path: &str, id: &str, body: impl Into<reqwest::Body>) -> Reply {
+    let request = client()
+        .post(harness().url(listener, path))
+        .header("content-type", "application/json")
+        .header("x-request-id", id)
+        .body(body);
+    send(request).await
+}
+
+pub async fn send(request: reqwest::RequestBuilder) -> Reply {
+    let response = request.send().await.expect("request failed");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response.text().await.expect("reply body");
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
