@@ -26,6 +26,7 @@ struct RawConfig {
     max_request_body_bytes: usize,
     on_missing_kv_transfer_params: MissingKvPolicy,
     forward_headers: Vec<String>,
+    prefill_time_header: Option<String>,
 }
 
 impl Default for RawConfig {
@@ -41,6 +42,7 @@ impl Default for RawConfig {
             max_request_body_bytes: 8 * 1024 * 1024,
             on_missing_kv_transfer_params: MissingKvPolicy::RecomputeOnDecode,
             forward_headers: vec!["authorization".to_owned()],
+            prefill_time_header: None,
         }
     }
 }
@@ -61,6 +63,8 @@ pub struct Config {
     pub on_missing_kv_transfer_params: MissingKvPolicy,
     /// Lowercase names of client headers copied onto the prefill request.
     pub forward_headers: Vec<String>,
+    /// Response header that tells the client how long prefill took, in milliseconds.
+    pub prefill_time_header: Option<String>,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -74,6 +78,20 @@ impl fmt::Display for ConfigError {
 
 /// Headers the filter itself sets on the prefill request.
 const RESERVED_HEADERS: &[&str] = &["content-type", "content-length", "x-request-id"];
+
+/// A header name in the lowercase form Envoy uses.
+fn header_name(key: &str, name: &str) -> Result<String, ConfigError> {
+    let name = name.to_ascii_lowercase();
+    let valid = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if valid {
+        Ok(name)
+    } else {
+        Err(ConfigError(format!("{key}: {name:?} is not a header name")))
+    }
+}
 
 impl Config {
     /// Parses the plugin configuration; empty input means all defaults.
@@ -116,16 +134,7 @@ impl Config {
         }
         let mut forward_headers = Vec::with_capacity(raw.forward_headers.len());
         for name in raw.forward_headers {
-            let name = name.to_ascii_lowercase();
-            let valid = !name.is_empty()
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-            if !valid {
-                return Err(ConfigError(format!(
-                    "forward_headers: {name:?} is not a header name"
-                )));
-            }
+            let name = header_name("forward_headers", &name)?;
             if RESERVED_HEADERS.contains(&name.as_str()) {
                 return Err(ConfigError(format!(
                     "forward_headers: {name:?} is set by the filter itself"
@@ -134,7 +143,13 @@ impl Config {
             forward_headers.push(name);
         }
 
+        let prefill_time_header = raw
+            .prefill_time_header
+            .map(|name| header_name("prefill_time_header", &name))
+            .transpose()?;
+
         Ok(Config {
+            prefill_time_header,
             prefill_cluster: raw.prefill_cluster,
             prefill_timeout: Duration::from_millis(raw.prefill_timeout_ms),
             routes,
@@ -170,6 +185,7 @@ mod tests {
                 MissingKvPolicy::RecomputeOnDecode
             );
             assert_eq!(config.forward_headers, vec!["authorization"]);
+            assert_eq!(config.prefill_time_header, None);
         }
     }
 
@@ -234,6 +250,7 @@ mod tests {
             ),
             (r#"{"forward_headers":["bad header"]}"#, "not a header name"),
             (r#"{"max_request_body_bytes":0}"#, "max_request_body_bytes"),
+            (r#"{"prefill_time_header":"a b"}"#, "prefill_time_header"),
             ("not json", "expected"),
         ];
         for (input, expected) in cases {

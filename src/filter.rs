@@ -3,21 +3,26 @@
 //! status is handled as a value instead of panicking the VM (the SDK's trait helpers unwrap).
 
 use std::rc::Rc;
+use std::time::{Duration, SystemTime};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::config::Config;
-use crate::protocol::{self, ClientError, DecodePlan, Endpoint, PrefillOutcome};
+use crate::protocol::{
+    self, ClientError, DecodePlan, Endpoint, FailureKind, PrefillFailure, PrefillOutcome,
+};
+use crate::stats::Stats;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Trace);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(PdRoot { config: None }) });
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(PdRoot { config: None, stats: None }) });
 }}
 
 struct PdRoot {
     config: Option<Rc<Config>>,
+    stats: Option<Rc<Stats>>,
 }
 
 impl Context for PdRoot {}
@@ -28,6 +33,9 @@ impl RootContext for PdRoot {
             .ok()
             .flatten()
             .unwrap_or_default();
+        if self.stats.is_none() {
+            self.stats = Some(Rc::new(Stats::define()));
+        }
         match Config::from_json(&bytes) {
             Ok(config) => {
                 log::info!(
@@ -51,10 +59,16 @@ impl RootContext for PdRoot {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let stats = match &self.stats {
+            Some(stats) => stats.clone(),
+            None => Rc::new(Stats::define()),
+        };
         Some(Box::new(PdRequest {
             config: self.config.clone(),
+            stats,
             request_id: String::new(),
             state: State::PassThrough,
+            prefill_time: None,
         }))
     }
 }
@@ -74,13 +88,17 @@ enum State {
         token: u32,
         original: Vec<u8>,
         decode_plan: DecodePlan,
+        started: Option<SystemTime>,
     },
 }
 
 struct PdRequest {
     config: Option<Rc<Config>>,
+    stats: Rc<Stats>,
     request_id: String,
     state: State,
+    /// How long the prefill leg took, once it answered.
+    prefill_time: Option<Duration>,
 }
 
 impl Context for PdRequest {
@@ -96,6 +114,7 @@ impl Context for PdRequest {
             token,
             original,
             decode_plan,
+            started,
         } = state
         else {
             self.state = state;
@@ -107,8 +126,18 @@ impl Context for PdRequest {
                 token,
                 original,
                 decode_plan,
+                started,
             };
             return;
+        }
+        self.prefill_time = started.and_then(|started| {
+            hostcalls::get_current_time()
+                .ok()?
+                .duration_since(started)
+                .ok()
+        });
+        if let Some(elapsed) = self.prefill_time {
+            self.stats.prefill_latency(elapsed.as_millis() as u64);
         }
         let Some(config) = self.config.clone() else {
             return;
@@ -147,29 +176,45 @@ impl Context for PdRequest {
                     ));
                     return;
                 }
+                log::debug!(
+                    "[{}] prefill answered in {:?}; resuming to decode",
+                    self.request_id,
+                    self.prefill_time
+                );
                 self.resume();
             }
             Ok(PrefillOutcome::RecomputeOnDecode(reason)) => {
                 log::warn!(
-                    "[{}] {reason}; decode will recompute the prompt",
-                    self.request_id
+                    "[{}] prefill failure ({}): {reason}; decode will recompute the prompt",
+                    self.request_id,
+                    FailureKind::NoKvTransferParams.name()
                 );
+                self.stats.prefill_failure(FailureKind::NoKvTransferParams);
+                self.stats.decode_only_fallback();
                 self.resume();
             }
-            Err(error) => {
-                log::warn!(
-                    "[{}] prefill failed, answering {}: {}",
-                    self.request_id,
-                    error.status,
-                    error.message
-                );
-                self.reply_error(&error);
-            }
+            Err(failure) => self.fail_prefill(&failure),
         }
     }
 }
 
 impl HttpContext for PdRequest {
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let header = self
+            .config
+            .as_ref()
+            .and_then(|config| config.prefill_time_header.as_deref());
+        if let (Some(name), Some(elapsed)) = (header, self.prefill_time) {
+            let millis = elapsed.as_millis().to_string();
+            if let Err(status) =
+                hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &millis)
+            {
+                log::warn!("[{}] could not add {name}: {status:?}", self.request_id);
+            }
+        }
+        Action::Continue
+    }
+
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else {
             self.reply_error(&ClientError::internal(
@@ -177,13 +222,12 @@ impl HttpContext for PdRequest {
             ));
             return Action::Pause;
         };
-        if request_header(":method").as_deref() != Some("POST") {
-            return Action::Continue;
-        }
-        let Some(path) = request_header(":path") else {
-            return Action::Continue;
-        };
-        let Some(endpoint) = config.endpoint_for(&path) else {
+        let path = request_header(":path");
+        let endpoint = path.as_deref().and_then(|path| config.endpoint_for(path));
+        let (Some(path), Some(endpoint), Some("POST")) =
+            (path, endpoint, request_header(":method").as_deref())
+        else {
+            self.stats.passed_through();
             return Action::Continue;
         };
 
@@ -202,17 +246,17 @@ impl HttpContext for PdRequest {
 
         if let Err(error) = protocol::check_content_type(request_header("content-type").as_deref())
         {
-            self.reply_error(&error);
+            self.reject(&error);
             return Action::Pause;
         }
         if end_of_stream {
-            self.reply_error(&ClientError::bad_request("request body is empty"));
+            self.reject(&ClientError::bad_request("request body is empty"));
             return Action::Pause;
         }
         let declared_length =
             request_header("content-length").and_then(|v| v.parse::<usize>().ok());
         if declared_length.is_some_and(|length| length > config.max_request_body_bytes) {
-            self.reply_error(&ClientError::payload_too_large(
+            self.reject(&ClientError::payload_too_large(
                 config.max_request_body_bytes,
             ));
             return Action::Pause;
@@ -260,7 +304,7 @@ impl HttpContext for PdRequest {
             return Action::Continue;
         };
         if body_size > config.max_request_body_bytes {
-            self.reply_error(&ClientError::payload_too_large(
+            self.reject(&ClientError::payload_too_large(
                 config.max_request_body_bytes,
             ));
             return Action::Pause;
@@ -285,10 +329,11 @@ impl HttpContext for PdRequest {
         let prepared = match protocol::prepare(endpoint, &body) {
             Ok(prepared) => prepared,
             Err(error) => {
-                self.reply_error(&error);
+                self.reject(&error);
                 return Action::Pause;
             }
         };
+        self.stats.orchestrated(endpoint);
 
         let State::Buffering {
             prefill_headers, ..
@@ -312,17 +357,12 @@ impl HttpContext for PdRequest {
                     token,
                     original: body,
                     decode_plan: prepared.decode_plan,
+                    started: hostcalls::get_current_time().ok(),
                 };
             }
             Err(status) => {
-                log::error!(
-                    "[{}] prefill callout to cluster {:?} failed to start: {status:?}",
-                    self.request_id,
-                    config.prefill_cluster
-                );
-                self.reply_error(&ClientError::prefill_not_dispatched(
-                    &config.prefill_cluster,
-                ));
+                log::debug!("[{}] dispatch_http_call: {status:?}", self.request_id);
+                self.fail_prefill(&PrefillFailure::not_dispatched(&config.prefill_cluster));
             }
         }
         Action::Pause
@@ -330,6 +370,30 @@ impl HttpContext for PdRequest {
 }
 
 impl PdRequest {
+    /// Answers a request the filter will not orchestrate because of its own content.
+    fn reject(&mut self, error: &ClientError) {
+        self.stats.bad_request();
+        log::debug!(
+            "[{}] rejected with {}: {}",
+            self.request_id,
+            error.status,
+            error.message
+        );
+        self.reply_error(error);
+    }
+
+    fn fail_prefill(&mut self, failure: &PrefillFailure) {
+        self.stats.prefill_failure(failure.kind);
+        log::warn!(
+            "[{}] prefill failure ({}): answering {}: {}",
+            self.request_id,
+            failure.kind.name(),
+            failure.error.status,
+            failure.error.message
+        );
+        self.reply_error(&failure.error);
+    }
+
     fn resume(&mut self) {
         self.state = State::PassThrough;
         if let Err(status) = hostcalls::resume_http_request() {

@@ -10,3 +10,5 @@ pub mod request_id;
 
 #[cfg(target_arch = "wasm32")]
 mod filter;
+#[cfg(target_arch = "wasm32")]
+mod stats;

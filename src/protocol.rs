@@ -76,16 +76,6 @@ impl ClientError {
         )
     }
 
-    /// The callout could not even be sent (for example, the cluster does not exist).
-    pub fn prefill_not_dispatched(cluster: &str) -> ClientError {
-        ClientError::new(
-            503,
-            format!(
-                "prefill request could not be sent to cluster {cluster:?}; is it defined in Envoy?"
-            ),
-        )
-    }
-
     pub fn internal(message: impl Into<String>) -> ClientError {
         ClientError::new(500, message)
     }
@@ -250,6 +240,64 @@ pub fn decode_body(original: &[u8], plan: &DecodePlan, kv_transfer_params: &[u8]
     out
 }
 
+/// Why a prefill leg failed, as counted in the stats and named in the logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Prefill answered an error status.
+    Status,
+    /// No answer within the prefill timeout.
+    Timeout,
+    /// The connection was reset before or during the answer.
+    Reset,
+    /// Prefill could not be reached, or the callout could not be sent.
+    Unreachable,
+    /// A 2xx answer without usable `kv_transfer_params`.
+    NoKvTransferParams,
+}
+
+impl FailureKind {
+    pub const ALL: [FailureKind; 5] = [
+        FailureKind::Status,
+        FailureKind::Timeout,
+        FailureKind::Reset,
+        FailureKind::Unreachable,
+        FailureKind::NoKvTransferParams,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FailureKind::Status => "status",
+            FailureKind::Timeout => "timeout",
+            FailureKind::Reset => "reset",
+            FailureKind::Unreachable => "unreachable",
+            FailureKind::NoKvTransferParams => "no_kv_transfer_params",
+        }
+    }
+}
+
+/// A failed prefill leg: what kind of failure, and what the client is answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillFailure {
+    pub kind: FailureKind,
+    pub error: ClientError,
+}
+
+impl PrefillFailure {
+    /// The callout could not even be sent (for example, the cluster does not exist).
+    pub fn not_dispatched(cluster: &str) -> PrefillFailure {
+        let error = ClientError::new(
+            503,
+            format!(
+                "prefill request could not be sent to cluster {cluster:?}; is it defined in Envoy?"
+            ),
+        );
+        PrefillFailure {
+            kind: FailureKind::Unreachable,
+            error,
+        }
+    }
+}
+
 /// What the prefill answer means for the request.
 #[derive(Debug, PartialEq, Eq)]
 pub enum PrefillOutcome<'a> {
@@ -260,46 +308,74 @@ pub enum PrefillOutcome<'a> {
 }
 
 /// Reads the prefill answer. `status` is `None` when the callout ended without response
-/// headers (the connection was reset).
+/// headers (the connection was reset after the answer had started).
 pub fn interpret_prefill_response<'a>(
     status: Option<u16>,
     body: &'a [u8],
     policy: MissingKvPolicy,
-) -> Result<PrefillOutcome<'a>, ClientError> {
+) -> Result<PrefillOutcome<'a>, PrefillFailure> {
+    let fail = |kind, status, message: String| {
+        Err(PrefillFailure {
+            kind,
+            error: ClientError::new(status, message),
+        })
+    };
     let Some(status) = status else {
-        return Err(ClientError::new(
+        return fail(
+            FailureKind::Reset,
             502,
-            "prefill connection was reset before it answered",
-        ));
+            "prefill connection was reset before its answer was complete".to_owned(),
+        );
     };
     match status {
         200..=299 => match find_kv_transfer_params(body) {
             Ok(kv) => Ok(PrefillOutcome::KvTransferParams(kv)),
             Err(reason) => match policy {
                 MissingKvPolicy::RecomputeOnDecode => Ok(PrefillOutcome::RecomputeOnDecode(reason)),
-                MissingKvPolicy::Fail => Err(ClientError::new(502, reason)),
+                MissingKvPolicy::Fail => fail(FailureKind::NoKvTransferParams, 502, reason),
             },
         },
         400..=499 => {
             let (error_type, message) = upstream_error(body);
-            Err(ClientError {
-                status,
-                error_type: error_type.unwrap_or_else(|| default_error_type(status).to_owned()),
-                message: format!("prefill rejected the request ({status}): {message}"),
+            Err(PrefillFailure {
+                kind: FailureKind::Status,
+                error: ClientError {
+                    status,
+                    error_type: error_type.unwrap_or_else(|| default_error_type(status).to_owned()),
+                    message: format!("prefill rejected the request ({status}): {message}"),
+                },
             })
         }
-        503 => Err(ClientError::new(
-            503,
-            format!("prefill is unavailable (503): {}", upstream_error(body).1),
-        )),
-        504 => Err(ClientError::new(
+        503 => {
+            let message = upstream_error(body).1;
+            fail(
+                envoy_503_kind(&message),
+                503,
+                format!("prefill is unavailable (503): {message}"),
+            )
+        }
+        504 => fail(
+            FailureKind::Timeout,
             504,
             format!("prefill timed out (504): {}", upstream_error(body).1),
-        )),
-        _ => Err(ClientError::new(
+        ),
+        _ => fail(
+            FailureKind::Status,
             502,
             format!("prefill failed ({status}): {}", upstream_error(body).1),
-        )),
+        ),
+    }
+}
+
+/// Envoy answers a callout it could not complete with its own 503 and a text body; a 503
+/// from prefill itself is an error status.
+fn envoy_503_kind(message: &str) -> FailureKind {
+    if message.contains("no healthy upstream") || message.contains("connection failure") {
+        FailureKind::Unreachable
+    } else if message.starts_with("upstream connect error or disconnect/reset") {
+        FailureKind::Reset
+    } else {
+        FailureKind::Status
     }
 }
 
@@ -530,16 +606,19 @@ mod tests {
                 interpret_prefill_response(Some(200), body, POLICY),
                 Ok(PrefillOutcome::RecomputeOnDecode(_))
             ));
-            let err =
+            let failure =
                 interpret_prefill_response(Some(200), body, MissingKvPolicy::Fail).unwrap_err();
-            assert_eq!(err.status, 502);
+            assert_eq!(failure.kind, FailureKind::NoKvTransferParams);
+            assert_eq!(failure.error.status, 502);
         }
     }
 
     #[test]
     fn prefill_client_errors_pass_on_status_and_message() {
         let body = br#"{"error":{"message":"min_tokens must be less than or equal to max_tokens=1, got 200.","type":"BadRequestError","param":null,"code":400}}"#;
-        let err = interpret_prefill_response(Some(400), body, POLICY).unwrap_err();
+        let failure = interpret_prefill_response(Some(400), body, POLICY).unwrap_err();
+        assert_eq!(failure.kind, FailureKind::Status);
+        let err = failure.error;
         assert_eq!(err.status, 400);
         assert_eq!(err.error_type, "BadRequestError");
         assert_eq!(
@@ -550,39 +629,59 @@ mod tests {
 
     #[test]
     fn prefill_server_failures_map_to_gateway_statuses() {
-        let cases: &[(Option<u16>, &[u8], u16, &str)] = &[
-            (None, b"", 502, "reset"),
+        use FailureKind::*;
+        let refused = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure, transport failure reason: delayed connect error: Connection refused";
+        let terminated = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+        let cases: &[(Option<u16>, &[u8], u16, FailureKind, &str)] = &[
+            (None, b"", 502, Reset, "reset"),
             (
                 Some(500),
                 br#"{"error":{"message":"boom"}}"#,
                 502,
+                Status,
                 "prefill failed (500): boom",
             ),
             (
                 Some(503),
-                b"upstream connect error",
+                br#"{"error":{"message":"overloaded"}}"#,
                 503,
-                "prefill is unavailable (503): upstream connect error",
+                Status,
+                "prefill is unavailable (503): overloaded",
             ),
+            (Some(503), refused, 503, Unreachable, "Connection refused"),
+            (
+                Some(503),
+                b"no healthy upstream",
+                503,
+                Unreachable,
+                "no healthy upstream",
+            ),
+            (Some(503), terminated, 503, Reset, "connection termination"),
             (
                 Some(504),
                 b"upstream request timeout",
                 504,
+                Timeout,
                 "prefill timed out (504): upstream request timeout",
             ),
-            (Some(302), b"", 502, "no details"),
+            (Some(302), b"", 502, Status, "no details"),
         ];
-        for (status, body, expected, text) in cases {
-            let err = interpret_prefill_response(*status, body, POLICY).unwrap_err();
-            assert_eq!(err.status, *expected);
-            assert!(err.message.contains(text), "{}", err.message);
+        for (status, body, expected, kind, text) in cases {
+            let failure = interpret_prefill_response(*status, body, POLICY).unwrap_err();
+            assert_eq!(failure.error.status, *expected);
+            assert_eq!(failure.kind, *kind, "{}", failure.error.message);
+            assert!(
+                failure.error.message.contains(text),
+                "{}",
+                failure.error.message
+            );
         }
     }
 
     #[test]
     fn long_upstream_text_is_truncated_on_a_char_boundary() {
         let body = "é".repeat(1000);
-        let err = interpret_prefill_response(Some(500), body.as_bytes(), POLICY).unwrap_err();
-        assert!(err.message.len() < 600);
+        let failure = interpret_prefill_response(Some(500), body.as_bytes(), POLICY).unwrap_err();
+        assert!(failure.error.message.len() < 600);
     }
 }

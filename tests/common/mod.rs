@@ -18,7 +18,7 @@ pub const LISTENERS: &[(&str, &str)] = &[
     ("default", ""),
     (
         "strict",
-        r#"{"on_missing_kv_transfer_params":"fail","prefill_timeout_ms":1500,"max_request_body_bytes":65536}"#,
+        r#"{"on_missing_kv_transfer_params":"fail","prefill_timeout_ms":1500,"max_request_body_bytes":65536,"prefill_time_header":"x-pd-prefill-ms"}"#,
     ),
     (
         "unreachable",
@@ -69,6 +69,26 @@ impl Harness {
         let mut requests = self.decode_requests(id);
         assert_eq!(requests.len(), 1, "decode requests for {id}: {requests:?}");
         requests.remove(0)
+    }
+
+    /// The filter's stats (`wasmcustom.pd_filter.*`) from Envoy's admin endpoint.
+    pub fn stats(&self) -> std::collections::HashMap<String, String> {
+        let text = http_get(self.admin_port, "/stats?filter=pd_filter").unwrap_or_default();
+        text.lines()
+            .filter_map(|line| line.split_once(": "))
+            .map(|(name, value)| {
+                let name = name.strip_prefix("wasmcustom.").unwrap_or(name);
+                (name.to_owned(), value.to_owned())
+            })
+            .collect()
+    }
+
+    /// A counter of the filter's stats, 0 when not yet written.
+    pub fn counter(&self, name: &str) -> u64 {
+        self.stats()
+            .get(&format!("pd_filter.{name}"))
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(0)
     }
 
     pub fn envoy_log_text(&self) -> String {
@@ -266,7 +286,8 @@ fn envoy_config(wasm: &Path, prefill_port: u16, decode_port: u16, closed_port: u
         listeners.push_str(&listener_yaml(name, plugin_config, wasm));
     }
     format!(
-        r#"admin:
+        r#"stats_flush_interval: 1s
+admin:
   address:
     socket_address: {{ address: 127.0.0.1, port_value: 0 }}
 static_resources:
@@ -407,4 +428,136 @@ pub async fn send(request: reqwest::RequestBuilder) -> Reply {
         headers,
         body,
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Helpers for the reliability and load tests.
+
+/// Lines of the Envoy log that show the filter or its VM failed: a Rust panic, a wasm trap,
+/// or a proxy-wasm callback that did not return normally.
+pub fn envoy_log_failures() -> Vec<String> {
+    const MARKERS: &[&str] = &["panicked", "wasm trap", "Function: proxy_on"];
+    harness()
+        .envoy_log_text()
+        .lines()
+        .filter(|line| MARKERS.iter().any(|marker| line.contains(marker)))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Asserts the Envoy log has no panic, wasm trap or failed proxy-wasm callback.
+pub fn assert_envoy_log_clean() {
+    let failures = envoy_log_failures();
+    assert!(
+        failures.is_empty(),
+        "the Envoy log shows filter failures:\n{}",
+        failures.join("\n")
+    );
+}
+
+/// Envoy's counters and gauges whose name contains `part`, from the admin endpoint.
+pub fn envoy_stats(part: &str) -> Vec<(String, u64)> {
+    let text = http_get(harness().admin_port, "/stats").unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let (name, value) = line.split_once(": ")?;
+            let value = value.trim().parse().ok()?;
+            name.contains(part).then(|| (name.to_owned(), value))
+        })
+        .collect()
+}
+
+/// Like [`send`], but a failure to connect or to read the whole body is returned, not a panic
+/// (for tests where the connection is expected to break).
+pub async fn try_send(request: reqwest::RequestBuilder) -> Result<Reply, String> {
+    let response = request.send().await.map_err(|e| format!("send: {e:?}"))?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response
+        .text()
+        .await
+        .map_err(|e| format!("status {status}, body: {e:?}"))?;
+    Ok(Reply {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// The mock's prompt fingerprint (FNV-1a, 64 bits, lowercase hex) of a prompt text.
+pub fn mock_fingerprint(prompt: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in prompt.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{hash:016x}")
+}
+
+/// The text the decode mock generates for `limit` tokens when it reused the KV cache:
+/// "mock decode answer for <first prompt word> mock decode …", one space after each word.
+pub fn expected_decode_text(prompt: &str, limit: usize) -> String {
+    let first = prompt.split_whitespace().next().unwrap_or("nothing");
+    let cycle = ["mock", "decode", "answer", "for", first];
+    (0..limit).map(|i| format!("{} ", cycle[i % 5])).collect()
+}
+
+/// The generated text of an answer, streamed (SSE) or not, for any of the three endpoints;
+/// with the number of SSE events and whether the stream ended properly (`[DONE]`, or
+/// `response.completed` on /v1/responses). A non-streamed answer counts as ended.
+pub fn answer_text(body: &str) -> (String, usize, bool) {
+    let trimmed = body.trim_start();
+    if trimmed.starts_with('{') {
+        let value: serde_json::Value = serde_json::from_str(trimmed).unwrap_or_default();
+        let text = value["choices"][0]["text"]
+            .as_str()
+            .or_else(|| value["choices"][0]["message"]["content"].as_str())
+            .or_else(|| value["output"][0]["content"][0]["text"].as_str())
+            .unwrap_or_default()
+            .to_owned();
+        return (text, 0, true);
+    }
+    let mut text = String::new();
+    let mut events = 0;
+    let mut ended = false;
+    for event in body.split("\n\n").filter(|e| !e.trim().is_empty()) {
+        events += 1;
+        let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+            continue;
+        };
+        if data == "[DONE]" {
+            ended = true;
+            continue;
+        }
+        let value: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
+        if value["type"] == "response.completed" {
+            ended = true;
+        }
+        if let Some(delta) = value["choices"][0]["text"]
+            .as_str()
+            .or_else(|| value["choices"][0]["delta"]["content"].as_str())
+            .or_else(|| {
+                (value["type"] == "response.output_text.delta")
+                    .then(|| value["delta"].as_str())
+                    .flatten()
+            })
+        {
+            text.push_str(delta);
+        }
+    }
+    (text, events, ended)
+}
+
+/// Asserts no pd-filter VM was reloaded (a reload means one crashed) and the Envoy log is
+/// clean.
+pub fn assert_filter_healthy() {
+    let reloads: Vec<(String, u64)> = envoy_stats("wasm.pd-filter.vm_reload")
+        .into_iter()
+        .filter(|(_, value)| *value != 0)
+        .collect();
+    assert!(
+        reloads.is_empty(),
+        "pd-filter VMs were reloaded: {reloads:?}"
+    );
+    assert_envoy_log_clean();
 }
