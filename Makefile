@@ -8,7 +8,7 @@ VENV := .venv
 # Envoy: $ENVOY if set, else an envoy on PATH, else the PyPI wheel in .venv (make envoy).
 ENVOY ?= $(shell command -v envoy 2>/dev/null || echo $(CURDIR)/$(VENV)/bin/envoy)
 
-.PHONY: build envoy run test lint bench clean
+.PHONY: build envoy run test test-wasm lint bench clean
 
 build:
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
@@ -29,6 +29,13 @@ run: build envoy
 
 test: build envoy
 	ENVOY_BIN="$(ENVOY)" cargo test --workspace --no-fail-fast
+	$(MAKE) --no-print-directory test-wasm
+
+# The protocol's unit tests compiled to wasm32-wasip1, the target Envoy runs, under Node's WASI.
+test-wasm:
+	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
+	CARGO_TARGET_WASM32_WASIP1_RUNNER="node --no-warnings $(CURDIR)/scripts/wasi-runner.mjs" \
+		cargo test --target $(WASM_TARGET) -p pd-filter --lib
 
 lint:
 	cargo fmt --all -- --check

@@ -110,7 +110,7 @@ impl<'a> TopLevelObject<'a> {
         let extra: usize = append.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
         let mut out = Vec::with_capacity(bytes.len() + extra + 16);
         let after_open = self.open_brace + 1;
-        out.extend_from_slice(&bytes[..after_open]);
+        out.extend_from_slice(span(bytes, 0..after_open));
 
         let mut cursor = after_open;
         let mut emitted_any = false;
@@ -120,15 +120,15 @@ impl<'a> TopLevelObject<'a> {
                     cursor = member.value.end;
                     continue;
                 }
-                Edit::Keep => &bytes[member.value.clone()],
+                Edit::Keep => span(bytes, member.value.clone()),
                 Edit::Replace(replacement) => replacement,
             };
-            let mut lead = &bytes[cursor..member.value.start];
+            let mut lead = span(bytes, cursor..member.value.start);
             if !emitted_any && cursor != after_open {
                 // Members before this one were removed: its leading comma has nothing
                 // to separate any more.
                 if let Some(comma) = lead.iter().position(|&b| b == b',') {
-                    lead = &lead[comma + 1..];
+                    lead = lead.get(comma + 1..).unwrap_or_default();
                 }
             }
             out.extend_from_slice(lead);
@@ -137,7 +137,7 @@ impl<'a> TopLevelObject<'a> {
             emitted_any = true;
         }
 
-        out.extend_from_slice(&bytes[cursor..self.close_brace]);
+        out.extend_from_slice(span(bytes, cursor..self.close_brace));
         for (key, value) in append {
             if emitted_any {
                 out.push(b',');
@@ -148,9 +148,14 @@ impl<'a> TopLevelObject<'a> {
             out.extend_from_slice(value);
             emitted_any = true;
         }
-        out.extend_from_slice(&bytes[self.close_brace..]);
+        out.extend_from_slice(span(bytes, self.close_brace..bytes.len()));
         out
     }
+}
+
+/// The bytes of a range the parser produced (always in bounds).
+fn span(bytes: &[u8], range: Range<usize>) -> &[u8] {
+    bytes.get(range).unwrap_or_default()
 }
 
 type RawMembers<'de> = Vec<(Cow<'de, str>, &'de RawValue)>;

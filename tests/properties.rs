@@ -1,0 +1,183 @@
+//! Property tests (a fuzzer on stable Rust) of the prefill rewrite and the decode injection:
+//! arbitrary bytes never panic; for any JSON object, decode gets the client's exact bytes with
+//! only `kv_transfer_params` changed, and prefill gets every limit capped.
+//!
+//! `PD_PROPTEST_CASES` sets the number of cases per property (default 2,000).
+
+use pd_filter::config::MissingKvPolicy;
+use pd_filter::protocol::{
+    decode_body, interpret_prefill_response, prepare, Endpoint, REMOTE_DECODE_REQUEST,
+};
+use proptest::prelude::*;
+use serde_json::{Map, Value};
+
+fn cases() -> u32 {
+    std::env::var("PD_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2_000)
+}
+
+/// Keys the rewrite treats specially, plus ordinary ones and one spelled with an escape.
+const KEYS: &[&str] = &[
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "min_tokens",
+    "min_completion_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "kv_transfer_params",
+    "prompt",
+    "messages",
+    "input",
+    "model",
+    "temperature",
+    "seed",
+    "é",
+];
+
+fn json_value() -> impl Strategy<Value = String> {
+    let leaf = prop_oneof![
+        Just("null".to_owned()),
+        any::<bool>().prop_map(|b| b.to_string()),
+        any::<i64>().prop_map(|n| n.to_string()),
+        any::<f64>()
+            .prop_filter("finite", |f| f.is_finite())
+            .prop_map(|f| format!("{f:e}")),
+        "[0-9]{20,40}".prop_map(|digits| format!("1{digits}")),
+        any::<String>().prop_map(|s| serde_json::to_string(&s).unwrap()),
+        "[a-z \\\\\"\u{e9}\u{1F600}]{0,12}".prop_map(|s| serde_json::to_string(&s).unwrap()),
+    ];
+    leaf.prop_recursive(4, 32, 6, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..5)
+                .prop_map(|items| format!("[{}]", items.join(","))),
+            prop::collection::vec(("[a-z_]{1,8}", inner), 0..5).prop_map(|members| {
+                let members: Vec<String> = members
+                    .into_iter()
+                    .map(|(k, v)| format!("\"{k}\":{v}"))
+                    .collect();
+                format!("{{{}}}", members.join(","))
+            }),
+        ]
+    })
+}
+
+fn whitespace() -> impl Strategy<Value = String> {
+    "[ \t\n\r]{0,3}"
+}
+
+/// A JSON object as text: keys may repeat, spacing varies.
+fn json_object() -> impl Strategy<Value = String> {
+    prop::collection::vec(
+        (
+            prop::sample::select(KEYS),
+            json_value(),
+            whitespace(),
+            whitespace(),
+            any::<bool>(),
+        ),
+        0..10,
+    )
+    .prop_flat_map(|members| (Just(members), whitespace(), whitespace()))
+    .prop_map(|(members, lead, tail)| {
+        let members: Vec<String> = members
+            .into_iter()
+            .map(|(key, value, ws1, ws2, escape)| {
+                let key = if escape && key == "max_tokens" {
+                    "max\\u005ftokens".to_owned()
+                } else {
+                    key.to_owned()
+                };
+                format!("{ws1}\"{key}\"{ws2}:{ws1}{value}{ws2}")
+            })
+            .collect();
+        format!("{lead}{{{}}}{tail}", members.join(","))
+    })
+}
+
+fn endpoint() -> impl Strategy<Value = Endpoint> {
+    prop_oneof![
+        Just(Endpoint::Completions),
+        Just(Endpoint::ChatCompletions),
+        Just(Endpoint::Responses),
+    ]
+}
+
+/// The object as a JSON parser that keeps the last duplicate (like Python's) sees it.
+fn parse_last_wins(text: &[u8]) -> Map<String, Value> {
+    match serde_json::from_slice(text).expect("valid JSON") {
+        Value::Object(map) => map,
+        other => panic!("not an object: {other}"),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn arbitrary_bytes_never_panic(endpoint in endpoint(), body in prop::collection::vec(any::<u8>(), 0..256)) {
+        if let Err(error) = prepare(endpoint, &body) {
+            prop_assert_eq!(error.status, 400);
+        }
+        let _ = interpret_prefill_response(Some(200), &body, MissingKvPolicy::Fail);
+    }
+
+    #[test]
+    fn decode_gets_the_original_with_only_kv_transfer_params_changed(
+        endpoint in endpoint(),
+        text in json_object(),
+        kv in json_value().prop_map(|v| format!("{{\"remote_block_ids\":{v}}}")),
+    ) {
+        let prepared = prepare(endpoint, text.as_bytes()).expect("a valid object is accepted");
+        let decode = decode_body(text.as_bytes(), &prepared.decode_plan, kv.as_bytes());
+
+        let mut expected = parse_last_wins(text.as_bytes());
+        expected.insert("kv_transfer_params".to_owned(), serde_json::from_str(&kv).unwrap());
+        prop_assert_eq!(parse_last_wins(&decode), expected);
+
+        // Byte for byte: the output is the input with kv text inserted or swapped in.
+        let decode_text = String::from_utf8(decode).unwrap();
+        if !text.contains("\"kv_transfer_params\"") {
+            prop_assert_eq!(decode_text.len(), text.len() + kv.len() + "\"kv_transfer_params\":".len() + usize::from(text.contains(':')));
+            let close = text.rfind('}').unwrap();
+            prop_assert!(decode_text.starts_with(&text[..close]));
+            prop_assert!(decode_text.ends_with(&text[close..]));
+        }
+    }
+
+    #[test]
+    fn prefill_has_every_limit_capped(endpoint in endpoint(), text in json_object()) {
+        let prepared = prepare(endpoint, text.as_bytes()).expect("a valid object is accepted");
+        let original = parse_last_wins(text.as_bytes());
+        let prefill = parse_last_wins(&prepared.prefill_body);
+        let one = Value::from(1);
+
+        prop_assert_eq!(prefill.get("max_tokens"), Some(&one));
+        for key in ["max_completion_tokens", "n"] {
+            prop_assert_eq!(prefill.get(key), original.get(key).map(|_| &one));
+        }
+        if endpoint == Endpoint::Responses || original.contains_key("max_output_tokens") {
+            prop_assert_eq!(prefill.get("max_output_tokens"), Some(&one));
+        } else {
+            prop_assert!(!prefill.contains_key("max_output_tokens"));
+        }
+        prop_assert_eq!(prefill.get("stream"), Some(&Value::Bool(false)));
+        for key in ["min_tokens", "min_completion_tokens", "stream_options"] {
+            prop_assert!(!prefill.contains_key(key));
+        }
+        let remote_decode: Value = serde_json::from_slice(REMOTE_DECODE_REQUEST).unwrap();
+        prop_assert_eq!(prefill.get("kv_transfer_params"), Some(&remote_decode));
+        for (key, value) in &original {
+            let rewritten = [
+                "max_tokens", "max_completion_tokens", "max_output_tokens", "n", "stream",
+                "min_tokens", "min_completion_tokens", "stream_options", "kv_transfer_params",
+            ];
+            if !rewritten.contains(&key.as_str()) {
+                prop_assert_eq!(prefill.get(key), Some(value));
+            }
+        }
+    }
+}
