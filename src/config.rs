@@ -1,5 +1,6 @@
 //! The plugin configuration: parsed and validated once, when Envoy loads the plugin.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
@@ -17,9 +18,27 @@ pub enum MissingKvPolicy {
     Fail,
 }
 
+/// What to do when the prefill leg fails (after its retries) with anything but a 4xx.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillFailurePolicy {
+    /// Answer the client with the mapped error (502, 503 or 504).
+    Fail,
+    /// Send the original body to decode without `kv_transfer_params`: the client is still
+    /// served, at the cost of a full prefill on decode.
+    DecodeOnly,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawConfig {
+    model_prefill_clusters: BTreeMap<String, String>,
+    model_header: Option<String>,
+    prefill_host_header: String,
+    prefill_host_cluster: Option<String>,
+    prefill_retries: u32,
+    on_prefill_failure: PrefillFailurePolicy,
+    replace_local_remote_host: bool,
     prefill_cluster: String,
     prefill_timeout_ms: u64,
     paths: Vec<String>,
@@ -43,6 +62,13 @@ impl Default for RawConfig {
             on_missing_kv_transfer_params: MissingKvPolicy::RecomputeOnDecode,
             forward_headers: vec!["authorization".to_owned()],
             prefill_time_header: None,
+            model_prefill_clusters: BTreeMap::new(),
+            model_header: None,
+            prefill_host_header: "x-prefiller-host-port".to_owned(),
+            prefill_host_cluster: None,
+            prefill_retries: 1,
+            on_prefill_failure: PrefillFailurePolicy::Fail,
+            replace_local_remote_host: false,
         }
     }
 }
@@ -65,6 +91,21 @@ pub struct Config {
     pub forward_headers: Vec<String>,
     /// Response header that tells the client how long prefill took, in milliseconds.
     pub prefill_time_header: Option<String>,
+    /// Prefill cluster per `model`; others go to `prefill_cluster`.
+    pub model_prefill_clusters: BTreeMap<String, String>,
+    /// Request header the filter sets to the body's `model` before Envoy picks the route.
+    /// Needs `allow_on_headers_stop_iteration: true` on the wasm filter.
+    pub model_header: Option<String>,
+    /// Request header carrying the prefill host(s) a scheduler chose.
+    pub prefill_host_header: String,
+    /// ORIGINAL_DST cluster used to reach a scheduler-chosen host; the feature is off without it.
+    pub prefill_host_cluster: Option<String>,
+    /// Extra prefill attempts after a connection failure, reset or 503.
+    pub prefill_retries: u32,
+    pub on_prefill_failure: PrefillFailurePolicy,
+    /// Put the scheduler-chosen prefill host into `kv_transfer_params.remote_host` when
+    /// prefill reports localhost.
+    pub replace_local_remote_host: bool,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -148,7 +189,44 @@ impl Config {
             .map(|name| header_name("prefill_time_header", &name))
             .transpose()?;
 
+        let model_header = raw
+            .model_header
+            .map(|name| header_name("model_header", &name))
+            .transpose()?;
+        let prefill_host_header = header_name("prefill_host_header", &raw.prefill_host_header)?;
+        for (model, cluster) in &raw.model_prefill_clusters {
+            if cluster.trim().is_empty() {
+                return Err(ConfigError(format!(
+                    "model_prefill_clusters: the cluster for {model:?} is empty"
+                )));
+            }
+        }
+        if raw
+            .prefill_host_cluster
+            .as_deref()
+            .is_some_and(|cluster| cluster.trim().is_empty())
+        {
+            return Err(ConfigError("prefill_host_cluster must not be empty".into()));
+        }
+        if raw.prefill_retries > 10 {
+            return Err(ConfigError("prefill_retries must be at most 10".into()));
+        }
+        if raw.replace_local_remote_host && raw.prefill_host_cluster.is_none() {
+            return Err(ConfigError(
+                "replace_local_remote_host needs prefill_host_cluster: the filter only knows \
+                 the prefill host when a scheduler chose it"
+                    .into(),
+            ));
+        }
+
         Ok(Config {
+            model_prefill_clusters: raw.model_prefill_clusters,
+            model_header,
+            prefill_host_header,
+            prefill_host_cluster: raw.prefill_host_cluster,
+            prefill_retries: raw.prefill_retries,
+            on_prefill_failure: raw.on_prefill_failure,
+            replace_local_remote_host: raw.replace_local_remote_host,
             prefill_time_header,
             prefill_cluster: raw.prefill_cluster,
             prefill_timeout: Duration::from_millis(raw.prefill_timeout_ms),
@@ -157,6 +235,13 @@ impl Config {
             on_missing_kv_transfer_params: raw.on_missing_kv_transfer_params,
             forward_headers,
         })
+    }
+
+    /// The prefill cluster for a request's `model`.
+    pub fn prefill_cluster_for(&self, model: Option<&str>) -> &str {
+        model
+            .and_then(|model| self.model_prefill_clusters.get(model))
+            .unwrap_or(&self.prefill_cluster)
     }
 
     /// The endpoint served at `path` (a query string is ignored), if the filter handles it.
@@ -187,6 +272,20 @@ mod tests {
             assert_eq!(config.forward_headers, vec!["authorization"]);
             assert_eq!(config.prefill_time_header, None);
         }
+    }
+
+    #[test]
+    fn models_pick_their_prefill_cluster() {
+        let config = Config::from_json(
+            br#"{"model_prefill_clusters":{"llama":"prefill-llama"},"prefill_cluster":"p"}"#,
+        )
+        .unwrap();
+        assert_eq!(config.prefill_cluster_for(Some("llama")), "prefill-llama");
+        assert_eq!(config.prefill_cluster_for(Some("other")), "p");
+        assert_eq!(config.prefill_cluster_for(None), "p");
+        assert_eq!(config.prefill_retries, 1);
+        assert_eq!(config.on_prefill_failure, PrefillFailurePolicy::Fail);
+        assert_eq!(config.prefill_host_header, "x-prefiller-host-port");
     }
 
     #[test]
@@ -251,6 +350,18 @@ mod tests {
             (r#"{"forward_headers":["bad header"]}"#, "not a header name"),
             (r#"{"max_request_body_bytes":0}"#, "max_request_body_bytes"),
             (r#"{"prefill_time_header":"a b"}"#, "prefill_time_header"),
+            (
+                r#"{"model_prefill_clusters":{"m":""}}"#,
+                "cluster for \"m\" is empty",
+            ),
+            (r#"{"model_header":""}"#, "model_header"),
+            (r#"{"prefill_retries":-1}"#, "invalid value"),
+            (r#"{"prefill_retries":11}"#, "at most 10"),
+            (r#"{"on_prefill_failure":"retry"}"#, "unknown variant"),
+            (
+                r#"{"replace_local_remote_host":true}"#,
+                "needs prefill_host_cluster",
+            ),
             ("not json", "expected"),
         ];
         for (input, expected) in cases {

@@ -2,6 +2,7 @@
 //! [`crate::protocol`]; every host call goes through `hostcalls` so that an unexpected host
 //! status is handled as a value instead of panicking the VM (the SDK's trait helpers unwrap).
 
+use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
@@ -9,15 +10,20 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
-use crate::config::Config;
+use crate::config::{Config, PrefillFailurePolicy};
 use crate::protocol::{
     self, ClientError, DecodePlan, Endpoint, FailureKind, PrefillFailure, PrefillOutcome,
 };
 use crate::stats::Stats;
 
+/// Header an ORIGINAL_DST cluster (`use_http_header: true`) reads the destination from.
+const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
+
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Trace);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(PdRoot { config: None, stats: None }) });
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+        Box::new(PdRoot { config: None, stats: None })
+    });
 }}
 
 struct PdRoot {
@@ -67,6 +73,8 @@ impl RootContext for PdRoot {
             config: self.config.clone(),
             stats,
             request_id: String::new(),
+            prefill_headers: Vec::new(),
+            scheduled_hosts: Vec::new(),
             state: State::PassThrough,
             prefill_time: None,
         }))
@@ -79,23 +87,31 @@ enum State {
     /// The filter answered the client itself.
     Answered,
     /// Waiting for the rest of the client body.
-    Buffering {
-        endpoint: Endpoint,
-        prefill_headers: Vec<(String, String)>,
-    },
-    /// The prefill callout is in flight; the client body is held by Envoy.
-    AwaitingPrefill {
-        token: u32,
-        original: Vec<u8>,
-        decode_plan: DecodePlan,
-        started: Option<SystemTime>,
-    },
+    Buffering { endpoint: Endpoint },
+    /// A prefill callout is in flight; the client body is held by Envoy.
+    AwaitingPrefill(Flight),
+}
+
+/// The prefill leg of one request, across its attempts.
+struct Flight {
+    token: u32,
+    endpoint: Endpoint,
+    original: Vec<u8>,
+    decode_plan: DecodePlan,
+    cluster: String,
+    /// Number of the attempt in flight, from 0.
+    attempt: u32,
+    started: Option<SystemTime>,
 }
 
 struct PdRequest {
     config: Option<Rc<Config>>,
     stats: Rc<Stats>,
     request_id: String,
+    /// Headers every prefill attempt carries.
+    prefill_headers: Vec<(String, String)>,
+    /// Prefill hosts a scheduler chose, tried in order.
+    scheduled_hosts: Vec<SocketAddr>,
     state: State,
     /// How long the prefill leg took, once it answered.
     prefill_time: Option<Duration>,
@@ -109,36 +125,13 @@ impl Context for PdRequest {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let state = std::mem::replace(&mut self.state, State::PassThrough);
-        let State::AwaitingPrefill {
-            token,
-            original,
-            decode_plan,
-            started,
-        } = state
-        else {
-            self.state = state;
-            return;
+        let flight = match std::mem::replace(&mut self.state, State::PassThrough) {
+            State::AwaitingPrefill(flight) if flight.token == token_id => flight,
+            other => {
+                self.state = other;
+                return;
+            }
         };
-        if token != token_id {
-            log::warn!("[{}] ignoring an unknown callout answer", self.request_id);
-            self.state = State::AwaitingPrefill {
-                token,
-                original,
-                decode_plan,
-                started,
-            };
-            return;
-        }
-        self.prefill_time = started.and_then(|started| {
-            hostcalls::get_current_time()
-                .ok()?
-                .duration_since(started)
-                .ok()
-        });
-        if let Some(elapsed) = self.prefill_time {
-            self.stats.prefill_latency(elapsed.as_millis() as u64);
-        }
         let Some(config) = self.config.clone() else {
             return;
         };
@@ -153,18 +146,39 @@ impl Context for PdRequest {
             .ok()
             .flatten()
             .unwrap_or_default();
-
-        match protocol::interpret_prefill_response(
+        let outcome = protocol::interpret_prefill_response(
             status,
             &body,
             config.on_missing_kv_transfer_params,
-        ) {
+        );
+        if let Err(failure) = &outcome {
+            if failure.is_retryable() && self.retry(&config, &flight, failure) {
+                return;
+            }
+        }
+
+        self.prefill_time = flight.started.and_then(|started| {
+            hostcalls::get_current_time()
+                .ok()?
+                .duration_since(started)
+                .ok()
+        });
+        if let Some(elapsed) = self.prefill_time {
+            self.stats.prefill_latency(elapsed.as_millis() as u64);
+        }
+
+        match outcome {
             Ok(PrefillOutcome::KvTransferParams(kv)) => {
-                let decode_body = protocol::decode_body(&original, &decode_plan, kv);
+                let reached = self.host_of_attempt(flight.attempt);
+                let with_host = reached
+                    .filter(|_| config.replace_local_remote_host)
+                    .and_then(|host| protocol::with_reachable_remote_host(kv, host.ip()));
+                let kv = with_host.as_deref().unwrap_or(kv);
+                let decode_body = protocol::decode_body(&flight.original, &flight.decode_plan, kv);
                 if let Err(status) = hostcalls::set_buffer(
                     BufferType::HttpRequestBody,
                     0,
-                    original.len(),
+                    flight.original.len(),
                     &decode_body,
                 ) {
                     log::error!(
@@ -184,37 +198,22 @@ impl Context for PdRequest {
                 self.resume();
             }
             Ok(PrefillOutcome::RecomputeOnDecode(reason)) => {
-                log::warn!(
-                    "[{}] prefill failure ({}): {reason}; decode will recompute the prompt",
-                    self.request_id,
-                    FailureKind::NoKvTransferParams.name()
-                );
-                self.stats.prefill_failure(FailureKind::NoKvTransferParams);
-                self.stats.decode_only_fallback();
-                self.resume();
+                self.decode_only(FailureKind::NoKvTransferParams, &reason);
             }
-            Err(failure) => self.fail_prefill(&failure),
+            Err(failure) => {
+                if config.on_prefill_failure == PrefillFailurePolicy::DecodeOnly
+                    && !failure.is_client_error()
+                {
+                    self.decode_only(failure.kind, &failure.error.message);
+                } else {
+                    self.fail_prefill(&failure);
+                }
+            }
         }
     }
 }
 
 impl HttpContext for PdRequest {
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let header = self
-            .config
-            .as_ref()
-            .and_then(|config| config.prefill_time_header.as_deref());
-        if let (Some(name), Some(elapsed)) = (header, self.prefill_time) {
-            let millis = elapsed.as_millis().to_string();
-            if let Err(status) =
-                hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &millis)
-            {
-                log::warn!("[{}] could not add {name}: {status:?}", self.request_id);
-            }
-        }
-        Action::Continue
-    }
-
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let Some(config) = self.config.clone() else {
             self.reply_error(&ClientError::internal(
@@ -235,11 +234,7 @@ impl HttpContext for PdRequest {
             Some(id) => id,
             None => {
                 let id = crate::request_id::new_request_id();
-                if let Err(status) =
-                    hostcalls::set_map_value(MapType::HttpRequestHeaders, "x-request-id", Some(&id))
-                {
-                    log::warn!("[{id}] could not set x-request-id: {status:?}");
-                }
+                set_request_header("x-request-id", Some(&id), &id);
                 id
             }
         };
@@ -261,19 +256,25 @@ impl HttpContext for PdRequest {
             ));
             return Action::Pause;
         }
-        // The decode body is longer than the client's: let Envoy frame it.
-        if let Err(status) =
-            hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", None)
-        {
-            log::warn!(
-                "[{}] could not remove content-length: {status:?}",
-                self.request_id
-            );
+        if config.prefill_host_cluster.is_some() {
+            if let Some(value) = request_header(&config.prefill_host_header) {
+                // The scheduler's choice is for the prefill leg only.
+                set_request_header(&config.prefill_host_header, None, &self.request_id);
+                match protocol::parse_prefill_hosts(&config.prefill_host_header, &value) {
+                    Ok(hosts) => self.scheduled_hosts = hosts,
+                    Err(error) => {
+                        self.reject(&error);
+                        return Action::Pause;
+                    }
+                }
+            }
         }
+        // The decode body is longer than the client's: let Envoy frame it.
+        set_request_header("content-length", None, &self.request_id);
 
         let authority =
             request_header(":authority").unwrap_or_else(|| config.prefill_cluster.clone());
-        let mut prefill_headers = vec![
+        self.prefill_headers = vec![
             (":method".to_owned(), "POST".to_owned()),
             (":path".to_owned(), path),
             (":authority".to_owned(), authority),
@@ -282,24 +283,25 @@ impl HttpContext for PdRequest {
         ];
         for name in &config.forward_headers {
             if let Some(value) = request_header(name) {
-                prefill_headers.push((name.clone(), value));
+                self.prefill_headers.push((name.clone(), value));
             }
         }
-        self.state = State::Buffering {
-            endpoint,
-            prefill_headers,
-        };
-        Action::Continue
+        self.state = State::Buffering { endpoint };
+        if config.model_header.is_some() {
+            // Hold the headers until the model is known, so that Envoy picks the route with
+            // it. Needs `allow_on_headers_stop_iteration: true`, or Envoy holds the body too.
+            Action::Pause
+        } else {
+            Action::Continue
+        }
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let State::Buffering { endpoint, .. } = &self.state else {
-            return match self.state {
-                State::PassThrough => Action::Continue,
-                _ => Action::Pause,
-            };
+        let endpoint = match self.state {
+            State::Buffering { endpoint } => endpoint,
+            State::PassThrough => return Action::Continue,
+            State::Answered | State::AwaitingPrefill(_) => return Action::Pause,
         };
-        let endpoint = *endpoint;
         let Some(config) = self.config.clone() else {
             return Action::Continue;
         };
@@ -334,42 +336,163 @@ impl HttpContext for PdRequest {
             }
         };
         self.stats.orchestrated(endpoint);
+        if let (Some(header), Some(model)) = (&config.model_header, &prepared.model) {
+            set_request_header(header, Some(model), &self.request_id);
+            // Envoy picked no route yet (the headers are held); make sure it picks it with
+            // the model header.
+            let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+        }
 
-        let State::Buffering {
-            prefill_headers, ..
-        } = std::mem::replace(&mut self.state, State::PassThrough)
-        else {
-            return Action::Continue;
+        let cluster = match &config.prefill_host_cluster {
+            Some(cluster) if !self.scheduled_hosts.is_empty() => cluster.clone(),
+            _ => config
+                .prefill_cluster_for(prepared.model.as_deref())
+                .to_owned(),
         };
-        let headers: Vec<(&str, &str)> = prefill_headers
-            .iter()
-            .map(|(name, value)| (name.as_str(), value.as_str()))
-            .collect();
-        match self.dispatch_http_call(
-            &config.prefill_cluster,
-            headers,
-            Some(&prepared.prefill_body),
-            vec![],
-            config.prefill_timeout,
-        ) {
+        let mut flight = Flight {
+            token: 0,
+            endpoint,
+            original: body,
+            decode_plan: prepared.decode_plan,
+            cluster,
+            attempt: 0,
+            started: hostcalls::get_current_time().ok(),
+        };
+        match self.dispatch_prefill(&config, &flight, &prepared.prefill_body) {
             Ok(token) => {
-                self.state = State::AwaitingPrefill {
-                    token,
-                    original: body,
-                    decode_plan: prepared.decode_plan,
-                    started: hostcalls::get_current_time().ok(),
-                };
+                flight.token = token;
+                self.state = State::AwaitingPrefill(flight);
             }
-            Err(status) => {
-                log::debug!("[{}] dispatch_http_call: {status:?}", self.request_id);
-                self.fail_prefill(&PrefillFailure::not_dispatched(&config.prefill_cluster));
-            }
+            Err(failure) => self.fail_prefill(&failure),
         }
         Action::Pause
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let header = self
+            .config
+            .as_ref()
+            .and_then(|config| config.prefill_time_header.as_deref());
+        if let (Some(name), Some(elapsed)) = (header, self.prefill_time) {
+            let millis = elapsed.as_millis().to_string();
+            if let Err(status) =
+                hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &millis)
+            {
+                log::warn!("[{}] could not add {name}: {status:?}", self.request_id);
+            }
+        }
+        Action::Continue
     }
 }
 
 impl PdRequest {
+    /// The scheduler-chosen host an attempt goes to, if any: the list is tried in order.
+    fn host_of_attempt(&self, attempt: u32) -> Option<SocketAddr> {
+        let count = self.scheduled_hosts.len();
+        if count == 0 {
+            return None;
+        }
+        self.scheduled_hosts.get(attempt as usize % count).copied()
+    }
+
+    /// Time left for prefill attempts, `None` once the budget is spent.
+    fn remaining_budget(config: &Config, flight: &Flight) -> Option<Duration> {
+        let Some(started) = flight.started else {
+            return Some(config.prefill_timeout);
+        };
+        let elapsed = hostcalls::get_current_time()
+            .ok()
+            .and_then(|now| now.duration_since(started).ok())
+            .unwrap_or_default();
+        config
+            .prefill_timeout
+            .checked_sub(elapsed)
+            .filter(|left| !left.is_zero())
+    }
+
+    fn dispatch_prefill(
+        &mut self,
+        config: &Config,
+        flight: &Flight,
+        prefill_body: &[u8],
+    ) -> Result<u32, PrefillFailure> {
+        let timeout = Self::remaining_budget(config, flight).unwrap_or(config.prefill_timeout);
+        let host = self
+            .host_of_attempt(flight.attempt)
+            .map(|host| host.to_string());
+        let mut headers: Vec<(&str, &str)> = self
+            .prefill_headers
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.as_str()))
+            .collect();
+        if let Some(host) = &host {
+            headers.push((ORIGINAL_DST_HEADER, host));
+        }
+        self.dispatch_http_call(
+            &flight.cluster,
+            headers,
+            Some(prefill_body),
+            vec![],
+            timeout,
+        )
+        .map_err(|status| {
+            log::debug!(
+                "[{}] dispatch_http_call to {:?}: {status:?}",
+                self.request_id,
+                flight.cluster
+            );
+            PrefillFailure::not_dispatched(&flight.cluster)
+        })
+    }
+
+    /// Starts the next attempt after a retryable failure, if retries and time are left.
+    fn retry(&mut self, config: &Config, flight: &Flight, failure: &PrefillFailure) -> bool {
+        if flight.attempt >= config.prefill_retries
+            || Self::remaining_budget(config, flight).is_none()
+        {
+            return false;
+        }
+        // The prefill body is rebuilt rather than kept: retries are rare, memory is not.
+        let Ok(prepared) = protocol::prepare(flight.endpoint, &flight.original) else {
+            return false;
+        };
+        let next = Flight {
+            token: 0,
+            endpoint: flight.endpoint,
+            original: flight.original.clone(),
+            decode_plan: flight.decode_plan.clone(),
+            cluster: flight.cluster.clone(),
+            attempt: flight.attempt + 1,
+            started: flight.started,
+        };
+        match self.dispatch_prefill(config, &next, &prepared.prefill_body) {
+            Ok(token) => {
+                log::info!(
+                    "[{}] prefill attempt {} failed ({}): {}; retrying",
+                    self.request_id,
+                    flight.attempt + 1,
+                    failure.kind.name(),
+                    failure.error.message
+                );
+                self.state = State::AwaitingPrefill(Flight { token, ..next });
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// Sends the original body to decode without `kv_transfer_params`: decode recomputes.
+    fn decode_only(&mut self, kind: FailureKind, reason: &str) {
+        log::warn!(
+            "[{}] prefill failure ({}): {reason}; decode will recompute the prompt",
+            self.request_id,
+            kind.name()
+        );
+        self.stats.prefill_failure(kind);
+        self.stats.decode_only_fallback();
+        self.resume();
+    }
+
     /// Answers a request the filter will not orchestrate because of its own content.
     fn reject(&mut self, error: &ClientError) {
         self.stats.bad_request();
@@ -425,4 +548,11 @@ impl PdRequest {
 fn request_header(name: &str) -> Option<String> {
     let value = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok()??;
     String::from_utf8(value).ok()
+}
+
+/// Sets (or with `None` removes) a request header; only valid before the headers continue.
+fn set_request_header(name: &str, value: Option<&str>, request_id: &str) {
+    if let Err(status) = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value) {
+        log::warn!("[{request_id}] could not set request header {name}: {status:?}");
+    }
 }

@@ -1,6 +1,7 @@
 //! The P/D protocol, free of any host calls: what the prefill request looks like, how the
 //! prefill answer is read, what decode receives, and which error the client gets.
 
+use std::net::{IpAddr, SocketAddr};
 use std::ops::Range;
 
 use crate::config::MissingKvPolicy;
@@ -150,6 +151,8 @@ pub fn check_content_type(content_type: Option<&str>) -> Result<(), ClientError>
 pub struct PreparedRequest {
     pub prefill_body: Vec<u8>,
     pub decode_plan: DecodePlan,
+    /// The body's `model`, when it is a string.
+    pub model: Option<String>,
 }
 
 /// Where `kv_transfer_params` go in the original body, found during the one parse.
@@ -183,9 +186,14 @@ pub fn prepare(endpoint: Endpoint, body: &[u8]) -> Result<PreparedRequest, Clien
         insert_at: object.close_brace(),
         needs_comma: !object.members().is_empty(),
     };
+    let model = object
+        .last_value("model")
+        .filter(|value| value.starts_with('"'))
+        .and_then(|value| serde_json::from_str::<String>(value).ok());
     Ok(PreparedRequest {
         prefill_body,
         decode_plan,
+        model,
     })
 }
 
@@ -365,6 +373,81 @@ pub fn interpret_prefill_response<'a>(
             format!("prefill failed ({status}): {}", upstream_error(body).1),
         ),
     }
+}
+
+impl PrefillFailure {
+    /// Whether another attempt may succeed: the request never reached a working prefill
+    /// (connection refused or reset, or prefill said it is unavailable). Never a 4xx, never
+    /// a timeout.
+    pub fn is_retryable(&self) -> bool {
+        match self.kind {
+            FailureKind::Unreachable | FailureKind::Reset => true,
+            FailureKind::Status => self.error.status == 503,
+            FailureKind::Timeout | FailureKind::NoKvTransferParams => false,
+        }
+    }
+
+    /// Whether the request itself was refused (a 4xx): decode would refuse it too.
+    pub fn is_client_error(&self) -> bool {
+        (400..500).contains(&self.error.status)
+    }
+}
+
+const MAX_SCHEDULED_HOSTS: usize = 16;
+
+/// Parses a scheduler's prefill host header: one `ip:port` or a comma-separated list.
+/// Only IP addresses are accepted: the callout goes to exactly that address.
+pub fn parse_prefill_hosts(header: &str, value: &str) -> Result<Vec<SocketAddr>, ClientError> {
+    let hosts: Vec<&str> = value
+        .split(',')
+        .map(str::trim)
+        .filter(|host| !host.is_empty())
+        .collect();
+    if hosts.is_empty() || hosts.len() > MAX_SCHEDULED_HOSTS {
+        return Err(ClientError::bad_request(format!(
+            "{header} must list 1 to {MAX_SCHEDULED_HOSTS} prefill hosts as ip:port"
+        )));
+    }
+    hosts
+        .into_iter()
+        .map(|host| {
+            host.parse::<SocketAddr>().map_err(|_| {
+                let shown: String = host.chars().take(64).collect();
+                ClientError::bad_request(format!(
+                    "{header} has {shown:?}, which is not an ip:port prefill host"
+                ))
+            })
+        })
+        .collect()
+}
+
+/// When prefill reports its side channel on a loopback or empty `remote_host` (vLLM's
+/// default), the same `kv_transfer_params` with the host the callout actually reached.
+/// `None` when there is nothing to replace.
+pub fn with_reachable_remote_host(kv_transfer_params: &[u8], host: IpAddr) -> Option<Vec<u8>> {
+    let text = std::str::from_utf8(kv_transfer_params).ok()?;
+    let object = TopLevelObject::parse(text).ok()?;
+    let current = object.last_value("remote_host")?;
+    let current: String = serde_json::from_str(current).ok()?;
+    let is_local = current.is_empty()
+        || current.eq_ignore_ascii_case("localhost")
+        || current
+            .parse::<IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback() || ip.is_unspecified());
+    if !is_local {
+        return None;
+    }
+    let replacement = format!("\"{host}\"");
+    Some(object.splice(
+        |key| {
+            if key == "remote_host" {
+                Edit::Replace(replacement.as_bytes())
+            } else {
+                Edit::Keep
+            }
+        },
+        &[],
+    ))
 }
 
 /// Envoy answers a callout it could not complete with its own 503 and a text body; a 503
@@ -632,7 +715,8 @@ mod tests {
         use FailureKind::*;
         let refused = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure, transport failure reason: delayed connect error: Connection refused";
         let terminated = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
-        let cases: &[(Option<u16>, &[u8], u16, FailureKind, &str)] = &[
+        type Case<'a> = (Option<u16>, &'a [u8], u16, FailureKind, &'a str);
+        let cases: &[Case] = &[
             (None, b"", 502, Reset, "reset"),
             (
                 Some(500),
@@ -676,6 +760,79 @@ mod tests {
                 failure.error.message
             );
         }
+    }
+
+    #[test]
+    fn the_model_is_read_from_the_body() {
+        let model = |body: &str| {
+            prepare(Endpoint::Completions, body.as_bytes())
+                .unwrap()
+                .model
+        };
+        assert_eq!(
+            model(r#"{"model":"llama","prompt":"x"}"#).as_deref(),
+            Some("llama")
+        );
+        assert_eq!(model(r#"{"model":"a\u002fb"}"#).as_deref(), Some("a/b"));
+        assert_eq!(model(r#"{"model":7}"#), None);
+        assert_eq!(model(r#"{"prompt":"x"}"#), None);
+    }
+
+    #[test]
+    fn retries_only_where_prefill_never_started_the_work() {
+        let failure = |status: Option<u16>, body: &[u8]| {
+            interpret_prefill_response(status, body, MissingKvPolicy::Fail).unwrap_err()
+        };
+        assert!(failure(Some(503), b"no healthy upstream").is_retryable());
+        assert!(failure(Some(503), br#"{"error":{"message":"busy"}}"#).is_retryable());
+        assert!(failure(None, b"").is_retryable());
+        assert!(!failure(Some(504), b"upstream request timeout").is_retryable());
+        assert!(!failure(Some(500), b"").is_retryable());
+        assert!(!failure(Some(429), b"").is_retryable());
+        assert!(failure(Some(429), b"").is_client_error());
+        assert!(!failure(Some(200), b"{}").is_retryable());
+    }
+
+    #[test]
+    fn scheduler_hosts_must_be_ip_and_port() {
+        let hosts = parse_prefill_hosts("x-h", " 10.0.0.1:8000, [fd00::1]:9000 ").unwrap();
+        assert_eq!(hosts.len(), 2);
+        assert_eq!(hosts[1].to_string(), "[fd00::1]:9000");
+        for bad in [
+            "",
+            " , ",
+            "10.0.0.1",
+            "host:80",
+            "10.0.0.1:99999",
+            "10.0.0.1:80/x",
+        ] {
+            let err = parse_prefill_hosts("x-h", bad).unwrap_err();
+            assert_eq!(err.status, 400);
+            assert!(err.message.starts_with("x-h "), "{}", err.message);
+        }
+        let many = vec!["10.0.0.1:1"; 17].join(",");
+        assert!(parse_prefill_hosts("x-h", &many).is_err());
+    }
+
+    #[test]
+    fn loopback_remote_host_is_replaced_by_the_host_reached() {
+        let host: IpAddr = "10.1.2.3".parse().unwrap();
+        for local in ["localhost", "127.0.0.1", "", "::1", "0.0.0.0"] {
+            let kv = format!(r#"{{"remote_host": "{local}", "remote_port": 5600}}"#);
+            let replaced = with_reachable_remote_host(kv.as_bytes(), host).unwrap();
+            assert_eq!(
+                String::from_utf8(replaced).unwrap(),
+                r#"{"remote_host": "10.1.2.3", "remote_port": 5600}"#
+            );
+        }
+        assert_eq!(
+            with_reachable_remote_host(br#"{"remote_host":"10.9.9.9"}"#, host),
+            None
+        );
+        assert_eq!(
+            with_reachable_remote_host(br#"{"remote_port":1}"#, host),
+            None
+        );
     }
 
     #[test]

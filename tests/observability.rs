@@ -136,7 +136,7 @@ async fn stats_logs_and_prefill_time_header() {
     ] {
         let lines: Vec<&str> = log
             .lines()
-            .filter(|line| line.contains(id.as_str()))
+            .filter(|line| line.contains(id.as_str()) && line.contains("prefill failure"))
             .collect();
         assert_eq!(lines.len(), 1, "{id}: {lines:#?}");
         assert!(

@@ -74,7 +74,9 @@ async fn prefill_error_statuses_map_to_the_documented_client_statuses() {
         let body = completion(&format!("x mock:prefill_status={sent}"));
         let reply = post("default", "/v1/completions", &id, body).await;
         assert_error_without_decode(&reply, &id, expected, text);
-        harness().only_prefill(&id);
+        // A 503 is retried once (prefill_retries defaults to 1); nothing else is.
+        let attempts = if sent == 503 { 2 } else { 1 };
+        assert_eq!(harness().prefill_requests(&id).len(), attempts, "{sent}");
     }
     assert_still_serves("default").await;
 }
