@@ -37,11 +37,18 @@ test-wasm:
 	CARGO_TARGET_WASM32_WASIP1_RUNNER="node --no-warnings $(CURDIR)/scripts/wasi-runner.mjs" \
 		cargo test --target $(WASM_TARGET) -p pd-filter --lib
 
-lint:
-	cargo fmt --all -- --check
-	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy --release --target $(WASM_TARGET) -p pd-filter --lib -- -D warnings
-
-clean:
-	cargo clean
-	rm -rf $(VENV)
+# The filter as an OCI image for Istio's WasmPlugin (deploy/oci/Dockerfile). Name it with
+# IMAGE=registry.example.com/pd-filter:0.1.0, then `docker push` it.
+IMAGE ?= pd-filter:dev
+.PHONY: image
+image: build
+	@mkdir -p target/oci
+	cp $(WASM) target/oci/plugin.wasm
+	@if docker info >/dev/null 2>&1; then \
+		docker build -f deploy/oci/Dockerfile -t $(IMAGE) target/oci && \
+		echo "built $(IMAGE); push it with: docker push $(IMAGE)"; \
+	else \
+		echo "no Docker engine here: skipped docker build of $(IMAGE)."; \
+		echo "The image's only content is target/oci/plugin.wasm; build it where Docker runs:"; \
+		echo "  docker build -f deploy/oci/Dockerfile -t $(IMAGE) target/oci"; \
+	fi
