@@ -12,27 +12,78 @@ use std::time::{Duration, Instant};
 
 use mock_vllm::{MockServer, RecordedRequest, Role};
 
-/// The listeners of the test Envoy: name and plugin configuration.
-pub const LISTENERS: &[(&str, &str)] = &[
+/// How a test listener routes to decode.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum DecodeRoute {
+    /// Everything to the `decode` cluster.
+    Plain,
+    /// `x-pd-model: model-b` to `decode_b`, the rest to `decode`.
+    ByModelHeader,
+    /// With `x-gateway-destination-endpoint`, to exactly that host (an endpoint picker's
+    /// choice, through an ORIGINAL_DST cluster); without it, to `decode`.
+    ByPickerHeader,
+}
+
+pub struct Listener {
+    pub name: &'static str,
+    pub plugin_config: &'static str,
+    pub decode_route: DecodeRoute,
+    /// `allow_on_headers_stop_iteration` on the wasm filter.
+    pub allow_on_headers_stop_iteration: bool,
+}
+
+const fn plain(name: &'static str, plugin_config: &'static str) -> Listener {
+    Listener {
+        name,
+        plugin_config,
+        decode_route: DecodeRoute::Plain,
+        allow_on_headers_stop_iteration: false,
+    }
+}
+
+/// The listeners of the test Envoy, each running the filter with its own configuration.
+pub const LISTENERS: &[Listener] = &[
     // An empty configuration: every default.
-    ("default", ""),
-    (
+    plain("default", ""),
+    plain(
         "strict",
         r#"{"on_missing_kv_transfer_params":"fail","prefill_timeout_ms":1500,"max_request_body_bytes":65536,"prefill_time_header":"x-pd-prefill-ms"}"#,
     ),
-    (
+    plain(
         "unreachable",
         r#"{"prefill_cluster":"prefill_unreachable"}"#,
     ),
-    (
+    plain(
         "unknown_cluster",
         r#"{"prefill_cluster":"no_such_cluster"}"#,
+    ),
+    Listener {
+        name: "models",
+        plugin_config: r#"{"model_prefill_clusters":{"model-b":"prefill_b"},"model_header":"x-pd-model"}"#,
+        decode_route: DecodeRoute::ByModelHeader,
+        allow_on_headers_stop_iteration: true,
+    },
+    Listener {
+        name: "scheduled",
+        plugin_config: r#"{"prefill_host_cluster":"prefill_original_dst","replace_local_remote_host":true,"prefill_timeout_ms":5000}"#,
+        decode_route: DecodeRoute::ByPickerHeader,
+        allow_on_headers_stop_iteration: false,
+    },
+    plain(
+        "decode_only",
+        r#"{"prefill_cluster":"prefill_unreachable","on_prefill_failure":"decode_only","prefill_retries":2}"#,
     ),
 ];
 
 pub struct Harness {
     pub prefill: MockServer,
     pub decode: MockServer,
+    /// A second prefill, on 127.0.0.2: the `prefill_b` cluster, and a scheduler's target.
+    pub prefill_b: MockServer,
+    /// A second decode: the `decode_b` cluster, and an endpoint picker's target.
+    pub decode_b: MockServer,
+    /// A local port nothing listens on.
+    pub closed_port: u16,
     listener_ports: Vec<(String, u16)>,
     pub admin_port: u16,
     pub envoy_log: PathBuf,
@@ -140,27 +191,39 @@ fn start() -> Harness {
             .enable_all()
             .build()
             .expect("tokio runtime");
-        let (prefill, decode) = runtime.block_on(async {
-            (
-                MockServer::start(Role::Prefill, "127.0.0.1:0")
-                    .await
-                    .expect("prefill mock"),
-                MockServer::start(Role::Decode, "127.0.0.1:0")
-                    .await
-                    .expect("decode mock"),
-            )
+        let mocks = runtime.block_on(async {
+            let start = |role, addr| async move {
+                MockServer::start(role, addr).await.expect("mock server")
+            };
+            [
+                start(Role::Prefill, "127.0.0.1:0").await,
+                start(Role::Decode, "127.0.0.1:0").await,
+                start(Role::Prefill, "127.0.0.2:0").await,
+                start(Role::Decode, "127.0.0.1:0").await,
+            ]
         });
-        let envoy = start_envoy(prefill.port(), decode.port());
+        let ports = Ports {
+            prefill: mocks[0].port(),
+            decode: mocks[1].port(),
+            prefill_b: mocks[2].port(),
+            decode_b: mocks[3].port(),
+            closed: closed_port(),
+        };
+        let envoy = start_envoy(&ports);
         sender
-            .send((prefill, decode, envoy))
+            .send((mocks, ports.closed, envoy))
             .expect("harness receiver");
         runtime.block_on(std::future::pending::<()>());
     });
-    let (prefill, decode, (listener_ports, admin_port, envoy_log)) =
+    let (mocks, closed_port, (listener_ports, admin_port, envoy_log)) =
         receiver.recv().expect("harness did not start");
+    let [prefill, decode, prefill_b, decode_b] = mocks;
     Harness {
         prefill,
         decode,
+        prefill_b,
+        decode_b,
+        closed_port,
         listener_ports,
         admin_port,
         envoy_log,
@@ -174,7 +237,15 @@ fn closed_port() -> u16 {
 
 static RUN_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-fn start_envoy(prefill_port: u16, decode_port: u16) -> (Vec<(String, u16)>, u16, PathBuf) {
+struct Ports {
+    prefill: u16,
+    decode: u16,
+    prefill_b: u16,
+    decode_b: u16,
+    closed: u16,
+}
+
+fn start_envoy(ports: &Ports) -> (Vec<(String, u16)>, u16, PathBuf) {
     let dir = repo_root().join("target/envoy-test").join(format!(
         "{}-{}",
         std::process::id(),
@@ -184,7 +255,7 @@ fn start_envoy(prefill_port: u16, decode_port: u16) -> (Vec<(String, u16)>, u16,
     let config_path = dir.join("envoy.yaml");
     let admin_path = dir.join("admin-address");
     let log_path = dir.join("envoy.log");
-    let config = envoy_config(&wasm_path(), prefill_port, decode_port, closed_port());
+    let config = envoy_config(&wasm_path(), ports);
     std::fs::write(&config_path, config).expect("write envoy config");
 
     let log_file = std::fs::File::create(&log_path).expect("envoy log");
@@ -280,11 +351,21 @@ pub fn http_get(port: u16, path: &str) -> Option<String> {
     }
 }
 
-fn envoy_config(wasm: &Path, prefill_port: u16, decode_port: u16, closed_port: u16) -> String {
+fn envoy_config(wasm: &Path, ports: &Ports) -> String {
     let mut listeners = String::new();
-    for (name, plugin_config) in LISTENERS {
-        listeners.push_str(&listener_yaml(name, plugin_config, wasm));
+    for listener in LISTENERS {
+        listeners.push_str(&listener_yaml(listener, wasm));
     }
+    let clusters = [
+        cluster_yaml("prefill", "127.0.0.1", ports.prefill),
+        cluster_yaml("decode", "127.0.0.1", ports.decode),
+        cluster_yaml("prefill_b", "127.0.0.2", ports.prefill_b),
+        cluster_yaml("decode_b", "127.0.0.1", ports.decode_b),
+        cluster_yaml("prefill_unreachable", "127.0.0.1", ports.closed),
+        original_dst_cluster_yaml("prefill_original_dst", "x-envoy-original-dst-host"),
+        original_dst_cluster_yaml("decode_picker", "x-gateway-destination-endpoint"),
+    ]
+    .concat();
     format!(
         r#"stats_flush_interval: 1s
 admin:
@@ -294,17 +375,12 @@ static_resources:
   listeners:
 {listeners}
   clusters:
-{prefill}
-{decode}
-{unreachable}
-"#,
-        prefill = cluster_yaml("prefill", prefill_port),
-        decode = cluster_yaml("decode", decode_port),
-        unreachable = cluster_yaml("prefill_unreachable", closed_port),
+{clusters}
+"#
     )
 }
 
-fn cluster_yaml(name: &str, port: u16) -> String {
+fn cluster_yaml(name: &str, address: &str, port: u16) -> String {
     format!(
         r#"  - name: {name}
     type: STATIC
@@ -315,13 +391,55 @@ fn cluster_yaml(name: &str, port: u16) -> String {
       - lb_endpoints:
         - endpoint:
             address:
-              socket_address: {{ address: 127.0.0.1, port_value: {port} }}
+              socket_address: {{ address: {address}, port_value: {port} }}
 "#
     )
 }
 
-fn listener_yaml(name: &str, plugin_config: &str, wasm: &Path) -> String {
-    let plugin_config = serde_json::to_string(plugin_config).expect("json string");
+/// A cluster whose destination is the `ip:port` in a request header.
+fn original_dst_cluster_yaml(name: &str, header: &str) -> String {
+    format!(
+        r#"  - name: {name}
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 1s
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: {header}
+"#
+    )
+}
+
+fn routes_yaml(route: DecodeRoute) -> &'static str {
+    match route {
+        DecodeRoute::Plain => {
+            r#"              - match: { prefix: "/" }
+                route: { cluster: decode, timeout: 0s }
+"#
+        }
+        DecodeRoute::ByModelHeader => {
+            r#"              - match:
+                  prefix: "/"
+                  headers: [{ name: x-pd-model, string_match: { exact: model-b } }]
+                route: { cluster: decode_b, timeout: 0s }
+              - match: { prefix: "/" }
+                route: { cluster: decode, timeout: 0s }
+"#
+        }
+        DecodeRoute::ByPickerHeader => {
+            r#"              - match:
+                  prefix: "/"
+                  headers: [{ name: x-gateway-destination-endpoint, present_match: true }]
+                route: { cluster: decode_picker, timeout: 0s }
+              - match: { prefix: "/" }
+                route: { cluster: decode, timeout: 0s }
+"#
+        }
+    }
+}
+
+fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
+    let plugin_config = serde_json::to_string(listener.plugin_config).expect("json string");
     format!(
         r#"  - name: {name}
     address:
@@ -338,9 +456,7 @@ fn listener_yaml(name: &str, plugin_config: &str, wasm: &Path) -> String {
             - name: decode
               domains: ["*"]
               routes:
-              - match: {{ prefix: "/" }}
-                route: {{ cluster: decode, timeout: 0s }}
-          http_filters:
+{routes}          http_filters:
           - name: envoy.filters.http.wasm
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
@@ -348,6 +464,7 @@ fn listener_yaml(name: &str, plugin_config: &str, wasm: &Path) -> String {
                 name: pd-filter
                 root_id: pd-filter
                 failure_policy: FAIL_RELOAD
+                allow_on_headers_stop_iteration: {allow}
                 configuration:
                   "@type": type.googleapis.com/google.protobuf.StringValue
                   value: {plugin_config}
@@ -359,6 +476,9 @@ fn listener_yaml(name: &str, plugin_config: &str, wasm: &Path) -> String {
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 "#,
+        name = listener.name,
+        routes = routes_yaml(listener.decode_route),
+        allow = listener.allow_on_headers_stop_iteration,
         wasm = wasm.display()
     )
 }
