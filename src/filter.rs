@@ -151,11 +151,13 @@ impl Context for PdRequest {
             &body,
             config.on_missing_kv_transfer_params,
         );
-        if let Err(failure) = &outcome {
-            if failure.is_retryable() && self.retry(&config, &flight, failure) {
-                return;
-            }
-        }
+        let flight = match &outcome {
+            Err(failure) if failure.is_retryable() => match self.retry(&config, flight, failure) {
+                Ok(()) => return,
+                Err(flight) => flight,
+            },
+            _ => flight,
+        };
 
         self.prefill_time = flight.started.and_then(|started| {
             hostcalls::get_current_time()
@@ -445,39 +447,40 @@ impl PdRequest {
         })
     }
 
-    /// Starts the next attempt after a retryable failure, if retries and time are left.
-    fn retry(&mut self, config: &Config, flight: &Flight, failure: &PrefillFailure) -> bool {
+    /// Starts the next attempt after a retryable failure, if retries and time are left;
+    /// otherwise hands the flight back.
+    fn retry(
+        &mut self,
+        config: &Config,
+        flight: Flight,
+        failure: &PrefillFailure,
+    ) -> Result<(), Flight> {
         if flight.attempt >= config.prefill_retries
-            || Self::remaining_budget(config, flight).is_none()
+            || Self::remaining_budget(config, &flight).is_none()
         {
-            return false;
+            return Err(flight);
         }
         // The prefill body is rebuilt rather than kept: retries are rare, memory is not.
         let Ok(prepared) = protocol::prepare(flight.endpoint, &flight.original) else {
-            return false;
+            return Err(flight);
         };
         let next = Flight {
-            token: 0,
-            endpoint: flight.endpoint,
-            original: flight.original.clone(),
-            decode_plan: flight.decode_plan.clone(),
-            cluster: flight.cluster.clone(),
             attempt: flight.attempt + 1,
-            started: flight.started,
+            ..flight
         };
         match self.dispatch_prefill(config, &next, &prepared.prefill_body) {
             Ok(token) => {
                 log::info!(
                     "[{}] prefill attempt {} failed ({}): {}; retrying",
                     self.request_id,
-                    flight.attempt + 1,
+                    next.attempt,
                     failure.kind.name(),
                     failure.error.message
                 );
                 self.state = State::AwaitingPrefill(Flight { token, ..next });
-                true
+                Ok(())
             }
-            Err(_) => false,
+            Err(_) => Err(next),
         }
     }
 
