@@ -37,6 +37,19 @@ test-wasm:
 	CARGO_TARGET_WASM32_WASIP1_RUNNER="node --no-warnings $(CURDIR)/scripts/wasi-runner.mjs" \
 		cargo test --target $(WASM_TARGET) -p pd-filter --lib
 
+# Not part of `make test`: about 8 minutes of loopback load (scripts/bench.sh, docs/performance.md).
+bench: build envoy
+	ENVOY="$(ENVOY)" scripts/bench.sh
+
+lint:
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy --release --target $(WASM_TARGET) -p pd-filter --lib -- -D warnings
+
+clean:
+	cargo clean
+	rm -rf $(VENV)
+
 # The filter as an OCI image for Istio's WasmPlugin (deploy/oci/Dockerfile). Name it with
 # IMAGE=registry.example.com/pd-filter:0.1.0, then `docker push` it.
 IMAGE ?= pd-filter:dev

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Helper of scripts/bench.sh.
+
+  report.py memory PID   Envoy's memory: "RSS_KB HWM_KB WASM_KB", where WASM_KB is the size of
+                         the wasm linear memories (V8 reserves 8 GiB per memory and makes the
+                         used part read-write: the rw mapping right below each reservation).
+                         Linear memory never shrinks: it is the filter heap's high-water mark.
+  report.py report DIR   the tables and ratios from DIR/results.tsv, micro.tsv, memory.tsv.
+"""
+
+import csv
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+TARGETS = [("direct", "backend directly"), ("plain", "Envoy, plain route"), ("filter", "Envoy + pd-filter")]
+CPU_TARGET = {"1KB": 1.25, "64KB": 1.25, "1MB": 1.5}
+MIB = 1024 * 1024
+
+
+def memory(pid):
+    maps = []
+    rss = hwm = 0
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1])
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) (\S+)", line)
+            if m:
+                maps.append((int(m.group(1), 16), int(m.group(2), 16), m.group(3)))
+    wasm = 0
+    for below, above in zip(maps, maps[1:]):
+        reserved = above[1] - above[0]
+        if above[2] == "---p" and reserved >= 4 << 30 and below[1] == above[0] and below[2] == "rw-p":
+            wasm += (below[1] - below[0]) // 1024
+    print(rss, hwm, wasm, sep="\t")
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def cell(values, fmt):
+    """Every repetition's value, then the median when there are more than two."""
+    shown = " / ".join(fmt.format(v) for v in values)
+    if len(values) > 2:
+        shown += " (med " + fmt.format(median(values)) + ")"
+    return shown or "-"
+
+
+def report(directory):
+    out = Path(directory)
+    rows = list(csv.DictReader(open(out / "results.tsv"), delimiter="\t"))
+    for row in rows:
+        for key, value in row.items():
+            if key not in ("phase", "target", "size"):
+                row[key] = float(value)
+        row["rps"] = row["requests"] / (row["duration_us"] / 1e6) if row["duration_us"] else 0.0
+        row["cpu_per_1000"] = row["envoy_cpu_s"] * 1000 / row["requests"] if row["requests"] else float("nan")
+        row["backend_cpu_per_1000"] = (
+            row["backend_cpu_s"] * 1000 / row["requests"] if row["requests"] else float("nan")
+        )
+    sizes = []
+    for row in rows:
+        if row["phase"] in ("c1", "c32") and row["size"] not in sizes:
+            sizes.append(row["size"])
+    conns = int(next((r["conns"] for r in rows if r["phase"] == "c32"), 32))
+
+    def pick(phase, target, size, key):
+        found = [r for r in rows if r["phase"] == phase and r["target"] == target and r["size"] == size]
+        found.sort(key=lambda r: r["rep"])
+        return [r[key] for r in found]
+
+    setup = (out / "setup.txt").read_text().strip() if (out / "setup.txt").exists() else ""
+    print("## pd-filter benchmark (`make bench`)\n")
+    for line in setup.splitlines():
+        print(f"- {line}")
+    print("- each cell: the value of every repetition (run 1 / run 2 / …); CPU is Envoy's whole process"
+          " (utime+stime from /proc) over the 32-connection run\n")
+
+    # Native micro-benchmark.
+    micro = defaultdict(list)
+    micro_path = out / "micro.tsv"
+    if micro_path.exists():
+        for rep, size, size_bytes, fn, ns in csv.reader(open(micro_path), delimiter="\t"):
+            micro[(size, fn)].append(int(size_bytes) / float(ns) * 1000.0)  # bytes/ns -> MB/s
+    if micro:
+        print("### Native rewrite and injection (criterion, MB/s of client body, 1 MB = 10^6 B)\n")
+        print("| body | prepare (parse + prefill rewrite) | inject (decode body) | whole request (prepare + read prefill answer + inject) |")
+        print("| --- | --- | --- | --- |")
+        for size in [s for s in ("1KB", "64KB", "1MB") if (s, "prepare") in micro]:
+            print(f"| {size} | {cell(micro[(size, 'prepare')], '{:,.0f}')} | "
+                  f"{cell(micro[(size, 'inject')], '{:,.0f}')} | {cell(micro[(size, 'pd_request')], '{:,.0f}')} |")
+        print()
+
+    print(f"### Loopback load (wrk; latency in ms; CPU in Envoy CPU-seconds per 1,000 requests)\n")
+    print(f"| body | target | 1 conn p50 | 1 conn p99 | {conns} conn req/s | {conns} conn p99 | {conns} conn CPU-s/1000 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for size in sizes:
+        for target, name in TARGETS:
+            cpu = "-" if target == "direct" else cell(pick("c32", target, size, "cpu_per_1000"), "{:.3f}")
+            print(f"| {size} | {name} | {cell([v / 1000 for v in pick('c1', target, size, 'p50_us')], '{:.2f}')} "
+                  f"| {cell([v / 1000 for v in pick('c1', target, size, 'p99_us')], '{:.2f}')} "
+                  f"| {cell(pick('c32', target, size, 'rps'), '{:,.0f}')} "
+                  f"| {cell([v / 1000 for v in pick('c32', target, size, 'p99_us')], '{:.2f}')} | {cpu} |")
+    print()
+
+    print("### Ratios (within each repetition)\n")
+    print("| body | filter CPU / (2 x plain CPU) | target | met | added p50 latency: filter - plain (ms) | of which beyond one extra backend leg: filter - plain - direct (ms) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    verdicts = []
+    for size in sizes:
+        fcpu, pcpu = pick("c32", "filter", size, "cpu_per_1000"), pick("c32", "plain", size, "cpu_per_1000")
+        ratios = [f / (2 * p) for f, p in zip(fcpu, pcpu) if p > 0]
+        f50, p50, d50 = (pick("c1", t, size, "p50_us") for t in ("filter", "plain", "direct"))
+        added = [(f - p) / 1000 for f, p in zip(f50, p50)]
+        beyond = [(f - p - d) / 1000 for f, p, d in zip(f50, p50, d50)]
+        target = CPU_TARGET.get(size, 1.25)
+        met = "yes" if ratios and median(ratios) <= target else "NO"
+        verdicts.append((size, median(ratios) if ratios else float("nan"), target, met))
+        print(f"| {size} | {cell(ratios, '{:.2f}')} | <= {target} | {met} | {cell(added, '{:.2f}')} | {cell(beyond, '{:.2f}')} |")
+    print()
+
+    # Sanity: errors and the prefill/decode counts seen by the backend.
+    problems = []
+    for row in rows:
+        if row["errors"] > 0:
+            problems.append(f"{row['phase']} {row['target']} {row['size']} c{int(row['conns'])}: {int(row['errors'])} errors")
+        if row["target"] == "filter" and row["phase"] != "warmup":
+            slack = row["conns"] + 1
+            if (abs(row["prefill"] - row["requests"]) > slack or abs(row["decode_kv"] - row["requests"]) > slack
+                    or row["decode_plain"] > 0):
+                problems.append(f"{row['phase']} filter {row['size']} c{int(row['conns'])}: {int(row['requests'])} requests, "
+                                f"backend saw {int(row['prefill'])} prefill, {int(row['decode_kv'])} decode with kv, "
+                                f"{int(row['decode_plain'])} without")
+    print("### Checks\n")
+    if problems:
+        for p in problems:
+            print(f"- PROBLEM: {p}")
+    else:
+        print("- no errors (non-2xx, resets, timeouts) in any run; through the filter the backend saw one prefill and"
+              " one decode carrying prefill's kv_transfer_params per request")
+    backend = [r["backend_cpu_per_1000"] for r in rows if r["phase"] == "c32" and r["target"] == "direct"]
+    if backend:
+        by_size = ", ".join(
+            f"{s} {cell(pick('c32', 'direct', s, 'backend_cpu_per_1000'), '{:.3f}')}" for s in sizes)
+        print(f"- bench backend CPU-s per 1,000 requests when hit directly: {by_size}")
+    print()
+
+    # Memory.
+    mem_path = out / "memory.tsv"
+    if mem_path.exists():
+        mem = {r["when"]: {k: int(v) for k, v in r.items() if k != "when"}
+               for r in csv.DictReader(open(mem_path), delimiter="\t")}
+        print("### Memory\n")
+        before = mem.get("after_warmup_1MB_plain")
+        after = mem.get("after_warmup_1MB_filter")
+        hwm_plain = pick("c32", "plain", "1MB", "hwm_kb")
+        hwm_filter = pick("c32", "filter", "1MB", "hwm_kb")
+        if "start" in mem:
+            print(f"- Envoy at start: RSS {mem['start']['rss_kb'] / 1024:.0f} MiB, wasm linear memory "
+                  f"{mem['start']['wasm_kb'] / 1024:.1f} MiB (all VMs)")
+        if before and after:
+            grown = (after["wasm_kb"] - before["wasm_kb"]) / 1024
+            print(f"- wasm linear memory (the filter's heap high-water mark) before / after the first 1 MB load at "
+                  f"{conns} connections through the filter: {before['wasm_kb'] / 1024:.1f} / {after['wasm_kb'] / 1024:.1f} MiB,"
+                  f" i.e. {grown / conns:.2f} MiB per in-flight 1 MiB request")
+        if hwm_plain and hwm_filter:
+            print(f"- Envoy peak RSS during the 1 MB, {conns}-connection runs: plain {cell([v / 1024 for v in hwm_plain], '{:.0f}')} MiB,"
+                  f" filter {cell([v / 1024 for v in hwm_filter], '{:.0f}')} MiB")
+        soak = [k for k in mem if k.startswith("soak_") and k != "soak_before"]
+        if "soak_before" in mem and soak:
+            soak_rows = [r for r in rows if r["phase"] == "soak"]
+            total = sum(r["requests"] for r in soak_rows)
+            secs = sum(r["secs"] for r in soak_rows)
+            size = soak_rows[0]["size"] if soak_rows else "?"
+            series = " -> ".join(f"{mem[k]['rss_kb'] / 1024:.0f}" for k in ["soak_before"] + soak)
+            wasm_series = " -> ".join(f"{mem[k]['wasm_kb'] / 1024:.1f}" for k in ["soak_before"] + soak)
+            first, last = mem["soak_before"], mem[soak[-1]]
+            print(f"- long run: {total:,.0f} requests ({size}, {conns} connections, {secs:.0f} s) through the filter after"
+                  f" all the runs above: Envoy RSS {series} MiB (before -> after each quarter), "
+                  f"{(last['rss_kb'] - first['rss_kb']) / 1024:+.1f} MiB; wasm linear memory {wasm_series} MiB")
+        print()
+
+    print("### Against the targets\n")
+    for size, ratio, target, met in verdicts:
+        print(f"- CPU per P/D request at {size}: {ratio:.2f} x the floor (target <= {target}): {'met' if met == 'yes' else 'MISSED'}")
+    if micro.get(("1MB", "pd_request")):
+        rate = median(micro[("1MB", "pd_request")])
+        print(f"- native rewrite + injection on a 1 MB body: {rate:,.0f} MB/s (target >= 1,000): "
+              f"{'met' if rate >= 1000 else 'MISSED'}")
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "memory":
+        memory(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "report":
+        report(sys.argv[2])
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()

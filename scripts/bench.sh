@@ -1,0 +1,248 @@
+#!/usr/bin/env bash
+# make bench: the cost of the filter, on loopback, in one go (a full run takes about 8 minutes).
+#
+#   1. native micro-benchmark of the rewrite and the injection (benches/rewrite.rs), MB/s;
+#   2. one bench backend (mock-vllm/src/bin/bench-backend.rs: reads the whole body, then
+#      answers as prefill or decode) and one Envoy (bench/envoy-bench.yaml) with a plain-route
+#      listener and a filter listener, both routed to that backend;
+#   3. for each body size (1 KB, 64 KB, 1 MB) and each target (the backend directly, Envoy's
+#      plain route, Envoy with the filter): wrk at 1 connection (p50, p99) and at 32
+#      connections (requests/s, p99, Envoy CPU seconds per 1,000 requests from /proc);
+#      all of it BENCH_REPS times, interleaved, so ratios are taken within one repetition;
+#   4. memory: Envoy's RSS and the filter's wasm linear memory around a 1 MB load, then
+#      before and after a long run (BENCH_SOAK_SECS);
+#   5. the table and the ratios against the targets (bench/report.py).
+#
+# Environment (all optional): ENVOY (binary), BENCH_REPS (2), BENCH_C1_SECS (3),
+# BENCH_C32_SECS (5), BENCH_SOAK_SECS (120), BENCH_CONNS (32), BENCH_CONCURRENCY (Envoy
+# workers, 1), BENCH_PIN (1: Envoy on CPU 1, backend and wrk on CPU 0), BENCH_MICRO (1),
+# BENCH_SIZES ("1KB:1024 64KB:65536 1MB:1048576"), BENCH_PORT_BASE (19000), BENCH_OUT
+# (target/bench). Raw figures land in $BENCH_OUT/*.tsv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+envoy_bin=${ENVOY:-$(command -v envoy || echo "$root/.venv/bin/envoy")}
+reps=${BENCH_REPS:-2}
+c1_secs=${BENCH_C1_SECS:-3}
+c32_secs=${BENCH_C32_SECS:-5}
+soak_secs=${BENCH_SOAK_SECS:-120}
+conns=${BENCH_CONNS:-32}
+concurrency=${BENCH_CONCURRENCY:-1}
+pin=${BENCH_PIN:-1}
+micro=${BENCH_MICRO:-1}
+sizes=${BENCH_SIZES:-"1KB:1024 64KB:65536 1MB:1048576"}
+port_base=${BENCH_PORT_BASE:-19000}
+out=${BENCH_OUT:-$root/target/bench}
+wasm=$root/target/wasm32-wasip1/release/pd_filter.wasm
+path=/v1/chat/completions
+
+plain_port=$port_base
+filter_port=$((port_base + 1))
+backend_port=$((port_base + 100))
+admin_port=$((port_base + 901))
+
+say() { printf '[bench %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+# --- prerequisites --------------------------------------------------------------------------
+if ! command -v wrk >/dev/null; then
+    say "wrk not found: installing it (apt-get install wrk)"
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && apt-get install -y -qq wrk >/dev/null
+    else
+        die "install wrk (Debian/Ubuntu: sudo apt-get install wrk)"
+    fi
+fi
+[ -x "$envoy_bin" ] || die "no envoy at $envoy_bin (make envoy)"
+[ -f "$wasm" ] || die "no filter at $wasm (make build)"
+command -v python3 >/dev/null || die "python3 is needed for the report"
+for port in $plain_port $filter_port $backend_port $admin_port; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+        die "port $port is in use (set BENCH_PORT_BASE)"
+    fi
+done
+if [ "$pin" = 1 ] && [ "$(nproc)" -ge 2 ] && command -v taskset >/dev/null; then
+    on_envoy_cpu=(taskset -c 1)
+    on_load_cpu=(taskset -c 0)
+    placement="Envoy pinned to CPU 1; backend and wrk pinned to CPU 0"
+else
+    on_envoy_cpu=()
+    on_load_cpu=()
+    placement="no CPU pinning"
+fi
+
+rm -rf "$out"
+mkdir -p "$out"
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+say "building the bench backend"
+cargo build --quiet --release -p mock-vllm --bin bench-backend
+backend_bin=$root/target/release/bench-backend
+
+# --- 1. native micro-benchmark ----------------------------------------------------------------
+: >"$out/micro.tsv"
+if [ "$micro" = 1 ]; then
+    for rep in $(seq 1 "$reps"); do
+        say "micro-benchmark, repetition $rep/$reps (cargo bench --bench rewrite)"
+        "${on_envoy_cpu[@]}" cargo bench --quiet --bench rewrite -- \
+            --warm-up-time 0.5 --measurement-time 2 --sample-size 30 \
+            >"$out/criterion-$rep.log" 2>&1 || die "cargo bench failed: $out/criterion-$rep.log"
+        for entry in $sizes; do
+            label=${entry%%:*}
+            bytes=${entry##*:}
+            for fn in prepare inject pd_request; do
+                est=$root/target/criterion/$label/$fn/new/estimates.json
+                [ -f "$est" ] || continue
+                ns=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["median"]["point_estimate"])' "$est")
+                printf '%s\t%s\t%s\t%s\t%s\n' "$rep" "$label" "$bytes" "$fn" "$ns" >>"$out/micro.tsv"
+            done
+        done
+    done
+fi
+
+# --- 2. backend and Envoy ---------------------------------------------------------------------
+for entry in $sizes; do
+    "$backend_bin" body "${entry##*:}" "$out/body-${entry%%:*}.json"
+done
+
+pids=()
+cleanup() {
+    for pid in "${pids[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${pids[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+}
+trap cleanup EXIT
+
+"${on_load_cpu[@]}" "$backend_bin" serve "127.0.0.1:$backend_port" 1 >"$out/backend.log" 2>&1 &
+backend_pid=$!
+pids+=("$backend_pid")
+
+sed -e "s|@ADMIN_PORT@|$admin_port|" -e "s|@PLAIN_PORT@|$plain_port|" \
+    -e "s|@FILTER_PORT@|$filter_port|" -e "s|@BACKEND_PORT@|$backend_port|" \
+    -e "s|@WASM@|$wasm|" bench/envoy-bench.yaml >"$out/envoy.yaml"
+"${on_envoy_cpu[@]}" "$envoy_bin" -c "$out/envoy.yaml" --concurrency "$concurrency" \
+    --use-dynamic-base-id -l warn >"$out/envoy.log" 2>&1 &
+envoy_pid=$!
+pids+=("$envoy_pid")
+
+for _ in $(seq 1 100); do
+    if [ "$(curl -s "http://127.0.0.1:$admin_port/ready" 2>/dev/null)" = LIVE ] &&
+        curl -s -o /dev/null "http://127.0.0.1:$backend_port/stats" 2>/dev/null; then
+        break
+    fi
+    kill -0 "$envoy_pid" 2>/dev/null || die "envoy exited: $out/envoy.log"
+    sleep 0.2
+done
+[ "$(curl -s "http://127.0.0.1:$admin_port/ready")" = LIVE ] || die "envoy is not ready: $out/envoy.log"
+
+stats() { curl -s "http://127.0.0.1:$backend_port/stats"; }
+stat_field() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$1" "$2"; }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+memory() { python3 "$root/bench/report.py" memory "$envoy_pid"; }
+clk_tck=$(getconf CLK_TCK)
+
+# Sanity: each target answers 200 for each size, and through the filter decode gets the KV
+# parameters prefill issued.
+for entry in $sizes; do
+    label=${entry%%:*}
+    for port in $backend_port $plain_port $filter_port; do
+        before=$(stats)
+        code=$(curl -s -o "$out/sanity.json" -w '%{http_code}' "http://127.0.0.1:$port$path" \
+            -H 'content-type: application/json' --data-binary "@$out/body-$label.json")
+        [ "$code" = 200 ] || die "$label to port $port answered $code: $(head -c 300 "$out/sanity.json")"
+        if [ "$port" = "$filter_port" ]; then
+            after=$(stats)
+            kv=$(($(stat_field "$after" decode_with_kv) - $(stat_field "$before" decode_with_kv)))
+            pf=$(($(stat_field "$after" prefill) - $(stat_field "$before" prefill)))
+            [ "$kv" = 1 ] && [ "$pf" = 1 ] || die "$label through the filter: prefill $pf, decode with kv $kv"
+        fi
+    done
+done
+say "sanity checks passed; Envoy $("$envoy_bin" --version | grep -o '[0-9]*\.[0-9]*\.[0-9]*/[A-Za-z]*' | head -1), --concurrency $concurrency; $placement"
+
+# One wrk run: target size conns secs rep phase -> a line of results.tsv
+printf 'phase\trep\ttarget\tsize\tconns\tsecs\trequests\tduration_us\tp50_us\tp99_us\tmean_us\terrors\tenvoy_cpu_s\tbackend_cpu_s\tprefill\tdecode_kv\tdecode_plain\trss_kb\thwm_kb\twasm_kb\n' >"$out/results.tsv"
+run() {
+    local target=$1 label=$2 nconns=$3 secs=$4 rep=$5 phase=$6 port
+    case $target in
+        direct) port=$backend_port ;;
+        plain) port=$plain_port ;;
+        filter) port=$filter_port ;;
+    esac
+    echo 5 >"/proc/$envoy_pid/clear_refs" 2>/dev/null || true # reset VmHWM
+    local s0 e0 b0 line s1 e1 b1 mem
+    s0=$(stats)
+    e0=$(cpu_ticks "$envoy_pid")
+    b0=$(cpu_ticks "$backend_pid")
+    line=$(BENCH_BODY="$out/body-$label.json" BENCH_PATH=$path "${on_load_cpu[@]}" \
+        wrk -t1 -c"$nconns" -d"${secs}s" --timeout 30s -s bench/post.lua \
+        "http://127.0.0.1:$port" | grep '^BENCH ') || die "wrk failed ($target $label c$nconns)"
+    e1=$(cpu_ticks "$envoy_pid")
+    b1=$(cpu_ticks "$backend_pid")
+    s1=$(stats)
+    mem=$(memory)
+    python3 - "$phase" "$rep" "$target" "$label" "$nconns" "$secs" "$line" "$e0" "$e1" "$b0" "$b1" \
+        "$clk_tck" "$s0" "$s1" "$mem" >>"$out/results.tsv" <<'PY'
+import json, sys
+phase, rep, target, label, conns, secs, line, e0, e1, b0, b1, tck, s0, s1, mem = sys.argv[1:]
+f = dict(kv.split("=") for kv in line.split()[1:])
+s0, s1 = json.loads(s0), json.loads(s1)
+d = {k: s1[k] - s0[k] for k in ("prefill", "decode_with_kv", "decode_without_kv")}
+errors = sum(int(f[k]) for k in f if k.startswith("err_"))
+rss, hwm, wasm = mem.split()
+row = [phase, rep, target, label, conns, secs, f["requests"], f["duration_us"], f["p50_us"],
+       f["p99_us"], f["mean_us"], errors, (int(e1) - int(e0)) / int(tck),
+       (int(b1) - int(b0)) / int(tck), d["prefill"], d["decode_with_kv"], d["decode_without_kv"],
+       rss, hwm, wasm]
+print("\t".join(str(x) for x in row))
+PY
+    tail -n1 "$out/results.tsv" | awk -F'\t' -v t="$target" -v s="$label" -v c="$nconns" \
+        '{ printf "  %-6s %-5s c%-3s %7.0f req/s  p50 %8.2f ms  p99 %8.2f ms  envoy %.2f CPU-s/1000  errors %s\n",
+           t, s, c, $7 / ($8 / 1e6), $9 / 1000, $10 / 1000, ($7 > 0 ? $13 * 1000 / $7 : 0), $12 }' >&2
+}
+
+# --- 3. latency and throughput ----------------------------------------------------------------
+printf 'when\trss_kb\thwm_kb\twasm_kb\n' >"$out/memory.tsv"
+echo "start	$(memory)" >>"$out/memory.tsv"
+for rep in $(seq 1 "$reps"); do
+    for entry in $sizes; do
+        label=${entry%%:*}
+        say "repetition $rep/$reps, $label"
+        for target in direct plain filter; do
+            if [ "$rep" = 1 ]; then
+                run "$target" "$label" "$conns" 1 "$rep" warmup 2>/dev/null
+                if [ "$label" = 1MB ]; then
+                    echo "after_warmup_1MB_$target	$(memory)" >>"$out/memory.tsv"
+                fi
+            fi
+            run "$target" "$label" 1 "$c1_secs" "$rep" c1
+            run "$target" "$label" "$conns" "$c32_secs" "$rep" c32
+        done
+    done
+done
+
+# --- 4. memory over a long run ----------------------------------------------------------------
+if [ "$soak_secs" -gt 0 ]; then
+    soak_size=64KB
+    case " $sizes " in *" 64KB:"*) ;; *) soak_size=${sizes%%:*} ;; esac
+    echo "soak_before	$(memory)" >>"$out/memory.tsv"
+    segments=4
+    for segment in $(seq 1 $segments); do
+        say "long run through the filter, $soak_size at $conns connections: part $segment/$segments"
+        run filter "$soak_size" "$conns" $((soak_secs / segments)) "$segment" soak
+        echo "soak_$segment	$(memory)" >>"$out/memory.tsv"
+    done
+fi
+kill -0 "$envoy_pid" 2>/dev/null || die "envoy died during the bench: $out/envoy.log"
+
+# --- 5. report --------------------------------------------------------------------------------
+{
+    echo "machine: $(nproc) CPUs, $(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1), $(uname -sr)"
+    echo "envoy: $("$envoy_bin" --version 2>/dev/null | grep -o 'version: .*' | head -1), --concurrency $concurrency, wasm runtime v8; $placement"
+    echo "other load on the machine (1/5/15-min load average, this bench included): $load_before at the start, $(cut -d' ' -f1-3 /proc/loadavg) at the end"
+    echo "load: wrk -t1, $c1_secs s at 1 connection, $c32_secs s at $conns connections, $reps repetitions; backend: bench-backend (1 thread)"
+} >"$out/setup.txt"
+python3 bench/report.py report "$out" | tee "$out/report.md"
