@@ -20,7 +20,7 @@ use crate::stats::Stats;
 const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 
 proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Trace);
+    proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
         Box::new(PdRoot { config: None, stats: None })
     });
@@ -39,6 +39,10 @@ impl RootContext for PdRoot {
             .ok()
             .flatten()
             .unwrap_or_default();
+        // Follow Envoy's level, so that debug lines cost nothing per request unless asked for.
+        if let Ok(level) = hostcalls::get_log_level() {
+            proxy_wasm::set_log_level(level);
+        }
         if self.stats.is_none() {
             self.stats = Some(Rc::new(Stats::define()));
         }
@@ -222,6 +226,15 @@ impl HttpContext for PdRequest {
                 "pd-filter has no valid configuration",
             ));
             return Action::Pause;
+        };
+        // One host call for all headers rather than one per header.
+        let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
+        let request_header = |name: &str| {
+            headers
+                .iter()
+                .find(|(key, _)| key == name)
+                .and_then(|(_, value)| std::str::from_utf8(value).ok())
+                .map(str::to_owned)
         };
         let path = request_header(":path");
         let endpoint = path.as_deref().and_then(|path| config.endpoint_for(path));
@@ -545,12 +558,6 @@ impl PdRequest {
             );
         }
     }
-}
-
-/// A request header as text; absent when missing, not UTF-8, or unreadable.
-fn request_header(name: &str) -> Option<String> {
-    let value = hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name).ok()??;
-    String::from_utf8(value).ok()
 }
 
 /// Sets (or with `None` removes) a request header; only valid before the headers continue.
