@@ -3,11 +3,9 @@
 //! of re-serializing the document (numbers, escapes and key order survive untouched).
 
 use std::borrow::Cow;
-use std::fmt;
 use std::ops::Range;
 
-use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, Visitor};
-use serde_json::value::RawValue;
+use crate::json_scan::{scan_object, JsonError};
 
 /// One `"key": value` member of the top-level object.
 #[derive(Debug)]
@@ -21,7 +19,7 @@ pub struct Member<'a> {
 /// A validated JSON document whose top level is an object.
 #[derive(Debug)]
 pub struct TopLevelObject<'a> {
-    text: &'a str,
+    text: &'a [u8],
     open_brace: usize,
     close_brace: usize,
     members: Vec<Member<'a>>,
@@ -36,44 +34,22 @@ pub enum Edit<'r> {
 }
 
 impl<'a> TopLevelObject<'a> {
-    /// Validates the whole document (syntax, nesting depth) and indexes its top-level members.
-    pub fn parse(text: &'a str) -> Result<Self, serde_json::Error> {
-        let mut deserializer = serde_json::Deserializer::from_str(text);
-        let raw_members = deserializer.deserialize_map(MembersVisitor)?;
-        deserializer.end()?;
-
-        let base = text.as_ptr() as usize;
-        let members: Vec<Member<'a>> = raw_members
-            .into_iter()
-            .map(|(key, raw)| {
-                let start = raw.get().as_ptr() as usize - base;
-                Member {
-                    key,
-                    value: start..start + raw.get().len(),
-                }
-            })
-            .collect();
-        let bytes = text.as_bytes();
-        // The deserializer accepted an object, so the first and last non-whitespace bytes
-        // are its braces.
-        let open_brace = bytes
-            .iter()
-            .position(|b| !b.is_ascii_whitespace())
-            .unwrap_or(0);
-        let close_brace = bytes
-            .iter()
-            .rposition(|b| !b.is_ascii_whitespace())
-            .unwrap_or(0);
+    /// Validates the whole document (grammar, UTF-8) and indexes its top-level members.
+    pub fn parse(text: &'a [u8]) -> Result<Self, JsonError> {
+        let scanned = scan_object(text)?;
         Ok(TopLevelObject {
             text,
-            open_brace,
-            close_brace,
-            members,
+            open_brace: scanned.open_brace,
+            close_brace: scanned.close_brace,
+            members: scanned
+                .members
+                .into_iter()
+                .map(|m| Member {
+                    key: m.key,
+                    value: m.value,
+                })
+                .collect(),
         })
-    }
-
-    pub fn text(&self) -> &'a str {
-        self.text
     }
 
     pub fn members(&self) -> &[Member<'a>] {
@@ -85,7 +61,7 @@ impl<'a> TopLevelObject<'a> {
     }
 
     /// The value text of the last member named `key` (the one JSON parsers keep).
-    pub fn last_value(&self, key: &str) -> Option<&'a str> {
+    pub fn last_value(&self, key: &str) -> Option<&'a [u8]> {
         self.members
             .iter()
             .rev()
@@ -106,7 +82,7 @@ impl<'a> TopLevelObject<'a> {
         mut edit: impl FnMut(&str) -> Edit<'r>,
         append: &[(&str, &[u8])],
     ) -> Vec<u8> {
-        let bytes = self.text.as_bytes();
+        let bytes = self.text;
         let extra: usize = append.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
         let mut out = Vec::with_capacity(bytes.len() + extra + 16);
         let after_open = self.open_brace + 1;
@@ -158,60 +134,6 @@ fn span(bytes: &[u8], range: Range<usize>) -> &[u8] {
     bytes.get(range).unwrap_or_default()
 }
 
-type RawMembers<'de> = Vec<(Cow<'de, str>, &'de RawValue)>;
-
-struct MembersVisitor;
-
-impl<'de> Visitor<'de> for MembersVisitor {
-    type Value = RawMembers<'de>;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a JSON object")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-        let mut members = Vec::with_capacity(map.size_hint().unwrap_or(16));
-        while let Some(key) = map.next_key_seed(KeySeed)? {
-            let value: &'de RawValue = map.next_value()?;
-            members.push((key, value));
-        }
-        Ok(members)
-    }
-}
-
-/// Deserializes a key borrowed from the input when it has no escapes.
-struct KeySeed;
-
-impl<'de> DeserializeSeed<'de> for KeySeed {
-    type Value = Cow<'de, str>;
-
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
-        deserializer.deserialize_str(KeyVisitor)
-    }
-}
-
-struct KeyVisitor;
-
-impl<'de> Visitor<'de> for KeyVisitor {
-    type Value = Cow<'de, str>;
-
-    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a string key")
-    }
-
-    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(Cow::Borrowed(v))
-    }
-
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(Cow::Owned(v.to_owned()))
-    }
-
-    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
-        Ok(Cow::Owned(v))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -221,14 +143,14 @@ mod tests {
         edit: impl FnMut(&str) -> Edit<'static>,
         append: &[(&str, &[u8])],
     ) -> String {
-        let object = TopLevelObject::parse(text).unwrap();
+        let object = TopLevelObject::parse(text.as_bytes()).unwrap();
         String::from_utf8(object.splice(edit, append)).unwrap()
     }
 
     #[test]
     fn indexes_members_with_exact_value_text() {
         let text = r#" { "a" : 1.50 , "b\u0022": {"x": [1,2]}, "c":"\u00e9" } "#;
-        let object = TopLevelObject::parse(text).unwrap();
+        let object = TopLevelObject::parse(text.as_bytes()).unwrap();
         let found: Vec<(&str, &str)> = object
             .members()
             .iter()
@@ -247,17 +169,17 @@ mod tests {
     #[test]
     fn rejects_what_is_not_an_object() {
         for text in ["", "[]", "1", "\"s\"", "{", "{}x", "{\"a\":}", "null"] {
-            assert!(TopLevelObject::parse(text).is_err(), "{text:?}");
+            assert!(TopLevelObject::parse(text.as_bytes()).is_err(), "{text:?}");
         }
     }
 
     #[test]
     fn deep_nesting_inside_a_value_does_not_overflow_the_stack() {
         let deep = format!("{{\"a\":{}{}}}", "[".repeat(50_000), "]".repeat(50_000));
-        let object = TopLevelObject::parse(&deep).unwrap();
+        let object = TopLevelObject::parse(deep.as_bytes()).unwrap();
         assert_eq!(object.members()[0].value.len(), 100_000);
         let unbalanced = format!("{{\"a\":{}}}", "[".repeat(50_000));
-        assert!(TopLevelObject::parse(&unbalanced).is_err());
+        assert!(TopLevelObject::parse(unbalanced.as_bytes()).is_err());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! pd-filter: an Envoy proxy-wasm HTTP filter that runs vLLM prefill/decode disaggregation.
 //!
-//! The protocol lives in host-agnostic modules ([`config`], [`protocol`], [`json_object`]);
+//! The protocol lives in host-agnostic modules ([`config`], [`protocol`], [`json_object`],
+//! [`json_scan`]);
 //! `filter` is the thin adapter to the proxy-wasm host; it is only built for wasm32 and left
 //! out of test builds, so that the protocol's unit tests also run as wasm32 (under Node's WASI).
 
@@ -20,6 +21,7 @@
 
 pub mod config;
 pub mod json_object;
+pub mod json_scan;
 pub mod protocol;
 pub mod request_id;
 

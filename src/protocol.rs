@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use crate::config::MissingKvPolicy;
 use crate::json_object::{Edit, TopLevelObject};
+use crate::json_scan::JsonErrorKind;
 
 /// The OpenAI-style API a request is for; each caps generation in its own fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,10 +171,13 @@ pub fn prepare(endpoint: Endpoint, body: &[u8]) -> Result<PreparedRequest, Clien
     if body.is_empty() {
         return Err(ClientError::bad_request("request body is empty"));
     }
-    let text = std::str::from_utf8(body)
-        .map_err(|e| ClientError::bad_request(format!("request body is not valid UTF-8: {e}")))?;
-    let object = TopLevelObject::parse(text)
-        .map_err(|e| ClientError::bad_request(format!("request body is not a JSON object: {e}")))?;
+    let object = TopLevelObject::parse(body).map_err(|e| {
+        let what = match e.kind {
+            JsonErrorKind::InvalidUtf8 => "is not valid UTF-8",
+            JsonErrorKind::Syntax(_) => "is not a JSON object",
+        };
+        ClientError::bad_request(format!("request body {what}: {e}"))
+    })?;
     let prefill_body = prefill_body(endpoint, &object);
     let existing: Vec<Range<usize>> = object
         .members()
@@ -188,8 +192,8 @@ pub fn prepare(endpoint: Endpoint, body: &[u8]) -> Result<PreparedRequest, Clien
     };
     let model = object
         .last_value("model")
-        .filter(|value| value.starts_with('"'))
-        .and_then(|value| serde_json::from_str::<String>(value).ok());
+        .filter(|value| value.starts_with(b"\""))
+        .and_then(|value| serde_json::from_slice::<String>(value).ok());
     Ok(PreparedRequest {
         prefill_body,
         decode_plan,
@@ -425,10 +429,9 @@ pub fn parse_prefill_hosts(header: &str, value: &str) -> Result<Vec<SocketAddr>,
 /// default), the same `kv_transfer_params` with the host the callout actually reached.
 /// `None` when there is nothing to replace.
 pub fn with_reachable_remote_host(kv_transfer_params: &[u8], host: IpAddr) -> Option<Vec<u8>> {
-    let text = std::str::from_utf8(kv_transfer_params).ok()?;
-    let object = TopLevelObject::parse(text).ok()?;
+    let object = TopLevelObject::parse(kv_transfer_params).ok()?;
     let current = object.last_value("remote_host")?;
-    let current: String = serde_json::from_str(current).ok()?;
+    let current: String = serde_json::from_slice(current).ok()?;
     let is_local = current.is_empty()
         || current.eq_ignore_ascii_case("localhost")
         || current
@@ -463,14 +466,12 @@ fn envoy_503_kind(message: &str) -> FailureKind {
 }
 
 fn find_kv_transfer_params(body: &[u8]) -> Result<&[u8], String> {
-    let text =
-        std::str::from_utf8(body).map_err(|_| "prefill answer is not valid UTF-8".to_owned())?;
-    let object = TopLevelObject::parse(text)
+    let object = TopLevelObject::parse(body)
         .map_err(|e| format!("prefill answer is not a JSON object: {e}"))?;
     match object.last_value(KV_TRANSFER_PARAMS) {
         None => Err("prefill answer has no kv_transfer_params".to_owned()),
-        Some("null") => Err("prefill answer has kv_transfer_params null".to_owned()),
-        Some(value) if value.starts_with('{') => Ok(value.as_bytes()),
+        Some(b"null") => Err("prefill answer has kv_transfer_params null".to_owned()),
+        Some(value) if value.starts_with(b"{") => Ok(value),
         Some(_) => Err("kv_transfer_params in the prefill answer is not an object".to_owned()),
     }
 }

@@ -5,6 +5,7 @@
 //! `PD_PROPTEST_CASES` sets the number of cases per property (default 2,000).
 
 use pd_filter::config::MissingKvPolicy;
+use pd_filter::json_scan::scan_object;
 use pd_filter::protocol::{
     decode_body, interpret_prefill_response, prepare, Endpoint, REMOTE_DECODE_REQUEST,
 };
@@ -123,6 +124,41 @@ proptest! {
             prop_assert_eq!(error.status, 400);
         }
         let _ = interpret_prefill_response(Some(200), &body, MissingKvPolicy::Fail);
+    }
+
+    /// The filter's own JSON scanner against serde_json, on valid objects with a few bytes
+    /// overwritten (with JSON's special characters, likely, or anything).
+    #[test]
+    fn the_scanner_accepts_exactly_what_json_parsers_accept(
+        text in json_object(),
+        edits in prop::collection::vec(
+            (
+                any::<prop::sample::Index>(),
+                prop_oneof![
+                    prop::sample::select(b"{}[]\",:\\ \t0-.eE+tfnu\x01\xc3\xa9\xff".to_vec()),
+                    any::<u8>(),
+                ],
+            ),
+            0..3,
+        ),
+    ) {
+        let mut bytes = text.into_bytes();
+        for (index, byte) in edits {
+            if !bytes.is_empty() {
+                let at = index.index(bytes.len());
+                bytes[at] = byte;
+            }
+        }
+        let is_object = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+        let expected = is_object
+            && std::str::from_utf8(&bytes).is_ok()
+            && serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).is_ok();
+        prop_assert_eq!(
+            scan_object(&bytes).is_ok(),
+            expected,
+            "{}",
+            String::from_utf8_lossy(&bytes)
+        );
     }
 
     #[test]

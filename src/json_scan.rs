@@ -1,0 +1,446 @@
+//! A single-pass JSON validator that also indexes the members of a top-level object.
+//!
+//! It does in one pass what `std::str::from_utf8` plus serde_json did in two: every byte is
+//! checked (grammar, and UTF-8 inside strings, the only place JSON allows non-ASCII), and the
+//! body of a long string, usually the prompt, is skipped eight bytes at a time. Nesting is
+//! tracked on a heap stack, so no input can overflow the call stack.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::ops::Range;
+
+/// Why a document is not a valid JSON object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JsonError {
+    pub kind: JsonErrorKind,
+    /// Byte offset where the problem was found.
+    pub offset: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JsonErrorKind {
+    /// A string holds bytes that are not UTF-8.
+    InvalidUtf8,
+    /// The document is not JSON, or not an object; the text says what was expected.
+    Syntax(&'static str),
+}
+
+impl fmt::Display for JsonError {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        match self.kind {
+            JsonErrorKind::InvalidUtf8 => write!(f, "invalid UTF-8 at byte {}", self.offset),
+            JsonErrorKind::Syntax(what) => write!(f, "{what} at byte {}", self.offset),
+        }
+    }
+}
+
+/// A member of the top-level object: its key (escapes resolved) and its value's bytes.
+#[derive(Debug)]
+pub struct ScannedMember<'a> {
+    pub key: Cow<'a, str>,
+    pub value: Range<usize>,
+}
+
+#[derive(Debug)]
+pub struct ScannedObject<'a> {
+    pub open_brace: usize,
+    pub close_brace: usize,
+    pub members: Vec<ScannedMember<'a>>,
+}
+
+/// Validates `bytes` as a JSON document whose top level is an object and indexes its members.
+pub fn scan_object(bytes: &[u8]) -> Result<ScannedObject<'_>, JsonError> {
+    let mut scanner = Scanner { bytes, pos: 0 };
+    scanner.skip_whitespace();
+    let open_brace = scanner.pos;
+    if scanner.peek() != Some(b'{') {
+        return Err(scanner.error("expected a JSON object"));
+    }
+    scanner.pos += 1;
+    let mut members = Vec::new();
+    scanner.skip_whitespace();
+    if scanner.peek() == Some(b'}') {
+        scanner.pos += 1;
+    } else {
+        loop {
+            let key = scanner.key()?;
+            scanner.skip_whitespace();
+            let start = scanner.pos;
+            scanner.value()?;
+            members.push(ScannedMember {
+                key,
+                value: start..scanner.pos,
+            });
+            scanner.skip_whitespace();
+            match scanner.peek() {
+                Some(b',') => scanner.pos += 1,
+                Some(b'}') => {
+                    scanner.pos += 1;
+                    break;
+                }
+                _ => return Err(scanner.error("expected ',' or '}'")),
+            }
+        }
+    }
+    let close_brace = scanner.pos - 1;
+    scanner.skip_whitespace();
+    if scanner.pos != bytes.len() {
+        return Err(scanner.error("trailing characters after the object"));
+    }
+    Ok(ScannedObject {
+        open_brace,
+        close_brace,
+        members,
+    })
+}
+
+struct Scanner<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+}
+
+const ONES: u64 = 0x0101_0101_0101_0101;
+const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
+
+/// Whether any of the eight bytes needs a closer look inside a string: `"`, `\`, a control
+/// byte or a non-ASCII byte. False positives are fine (the slow path decides); there are no
+/// false negatives.
+fn needs_attention(word: u64) -> bool {
+    let has_zero = |v: u64| v.wrapping_sub(ONES) & !v & HIGH_BITS;
+    let quote = has_zero(word ^ (ONES * u64::from(b'"')));
+    let backslash = has_zero(word ^ (ONES * u64::from(b'\\')));
+    let control = word.wrapping_sub(ONES * 0x20) & !word & HIGH_BITS;
+    (quote | backslash | control | (word & HIGH_BITS)) != 0
+}
+
+impl<'a> Scanner<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.bytes.get(self.pos).copied()
+    }
+
+    fn error(&self, what: &'static str) -> JsonError {
+        let kind = if self.pos >= self.bytes.len() {
+            JsonErrorKind::Syntax("unexpected end of input")
+        } else {
+            JsonErrorKind::Syntax(what)
+        };
+        JsonError {
+            kind,
+            offset: self.pos,
+        }
+    }
+
+    fn skip_whitespace(&mut self) {
+        while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.peek() {
+            self.pos += 1;
+        }
+    }
+
+    /// `"key" :` with the position left at the value.
+    fn key(&mut self) -> Result<Cow<'a, str>, JsonError> {
+        self.skip_whitespace();
+        if self.peek() != Some(b'"') {
+            return Err(self.error("expected a string key"));
+        }
+        let start = self.pos;
+        let escaped = self.string()?;
+        let raw = self.bytes.get(start..self.pos).unwrap_or_default();
+        let key = if escaped {
+            Cow::Owned(
+                serde_json::from_slice::<String>(raw).map_err(|_| JsonError {
+                    kind: JsonErrorKind::Syntax("invalid escape in a key"),
+                    offset: start,
+                })?,
+            )
+        } else {
+            let inner = raw.get(1..raw.len().saturating_sub(1)).unwrap_or_default();
+            Cow::Borrowed(std::str::from_utf8(inner).map_err(|_| JsonError {
+                kind: JsonErrorKind::InvalidUtf8,
+                offset: start,
+            })?)
+        };
+        self.skip_whitespace();
+        if self.peek() != Some(b':') {
+            return Err(self.error("expected ':'"));
+        }
+        self.pos += 1;
+        Ok(key)
+    }
+
+    /// One complete value of any depth.
+    fn value(&mut self) -> Result<(), JsonError> {
+        // Open containers: b'[' or b'{'.
+        let mut open: Vec<u8> = Vec::new();
+        loop {
+            self.skip_whitespace();
+            match self.peek() {
+                Some(b'{') => {
+                    self.pos += 1;
+                    self.skip_whitespace();
+                    if self.peek() == Some(b'}') {
+                        self.pos += 1;
+                    } else {
+                        open.push(b'{');
+                        self.key()?;
+                        continue;
+                    }
+                }
+                Some(b'[') => {
+                    self.pos += 1;
+                    self.skip_whitespace();
+                    if self.peek() == Some(b']') {
+                        self.pos += 1;
+                    } else {
+                        open.push(b'[');
+                        continue;
+                    }
+                }
+                Some(b'"') => {
+                    self.string()?;
+                }
+                Some(b'-' | b'0'..=b'9') => self.number()?,
+                Some(b't') => self.literal(b"true")?,
+                Some(b'f') => self.literal(b"false")?,
+                Some(b'n') => self.literal(b"null")?,
+                _ => return Err(self.error("expected a value")),
+            }
+            // A value is complete: close what it completes, stop at the next separator.
+            loop {
+                let Some(&container) = open.last() else {
+                    return Ok(());
+                };
+                self.skip_whitespace();
+                match (container, self.peek()) {
+                    (b'{', Some(b',')) => {
+                        self.pos += 1;
+                        self.key()?;
+                        break;
+                    }
+                    (_, Some(b',')) => {
+                        self.pos += 1;
+                        break;
+                    }
+                    (b'{', Some(b'}')) | (b'[', Some(b']')) => {
+                        self.pos += 1;
+                        open.pop();
+                    }
+                    (b'{', _) => return Err(self.error("expected ',' or '}'")),
+                    _ => return Err(self.error("expected ',' or ']'")),
+                }
+            }
+        }
+    }
+
+    /// A string starting at its opening quote; returns whether it holds escapes.
+    fn string(&mut self) -> Result<bool, JsonError> {
+        self.pos += 1;
+        let mut escaped = false;
+        loop {
+            while let Some(chunk) = self.bytes.get(self.pos..self.pos + 8) {
+                let mut word = [0u8; 8];
+                word.copy_from_slice(chunk);
+                if needs_attention(u64::from_le_bytes(word)) {
+                    break;
+                }
+                self.pos += 8;
+            }
+            match self.peek() {
+                None => return Err(self.error("unterminated string")),
+                Some(b'"') => {
+                    self.pos += 1;
+                    return Ok(escaped);
+                }
+                Some(b'\\') => {
+                    escaped = true;
+                    self.escape()?;
+                }
+                Some(0x00..=0x1f) => return Err(self.error("control character in a string")),
+                Some(0x80..=0xff) => self.non_ascii()?,
+                Some(_) => self.pos += 1,
+            }
+        }
+    }
+
+    fn escape(&mut self) -> Result<(), JsonError> {
+        match self.bytes.get(self.pos + 1) {
+            Some(b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => {
+                self.pos += 2;
+                Ok(())
+            }
+            Some(b'u') => {
+                let digits = self.bytes.get(self.pos + 2..self.pos + 6);
+                if digits.is_some_and(|d| d.iter().all(u8::is_ascii_hexdigit)) {
+                    self.pos += 6;
+                    Ok(())
+                } else {
+                    Err(self.error("invalid \\u escape"))
+                }
+            }
+            _ => Err(self.error("invalid escape")),
+        }
+    }
+
+    /// A run of non-ASCII bytes inside a string: it must be whole UTF-8 characters.
+    fn non_ascii(&mut self) -> Result<(), JsonError> {
+        let rest = self.bytes.get(self.pos..).unwrap_or_default();
+        let run = rest.iter().position(u8::is_ascii).unwrap_or(rest.len());
+        let chars = rest.get(..run).unwrap_or_default();
+        if std::str::from_utf8(chars).is_err() {
+            return Err(JsonError {
+                kind: JsonErrorKind::InvalidUtf8,
+                offset: self.pos,
+            });
+        }
+        self.pos += run;
+        Ok(())
+    }
+
+    fn digits(&mut self) -> usize {
+        let start = self.pos;
+        while self.peek().is_some_and(|b| b.is_ascii_digit()) {
+            self.pos += 1;
+        }
+        self.pos - start
+    }
+
+    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`
+    fn number(&mut self) -> Result<(), JsonError> {
+        if self.peek() == Some(b'-') {
+            self.pos += 1;
+        }
+        match self.peek() {
+            Some(b'0') => self.pos += 1,
+            Some(b'1'..=b'9') => {
+                self.digits();
+            }
+            _ => return Err(self.error("invalid number")),
+        }
+        if self.peek() == Some(b'.') {
+            self.pos += 1;
+            if self.digits() == 0 {
+                return Err(self.error("invalid number"));
+            }
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            self.pos += 1;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.pos += 1;
+            }
+            if self.digits() == 0 {
+                return Err(self.error("invalid number"));
+            }
+        }
+        Ok(())
+    }
+
+    fn literal(&mut self, word: &'static [u8]) -> Result<(), JsonError> {
+        if self.bytes.get(self.pos..self.pos + word.len()) == Some(word) {
+            self.pos += word.len();
+            Ok(())
+        } else {
+            Err(self.error("invalid literal"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn valid(text: &[u8]) -> bool {
+        scan_object(text).is_ok()
+    }
+
+    #[test]
+    fn accepts_objects_of_every_value_kind() {
+        let text = br#" {"a":1,"b":-0.5e+10,"c":"x\"y\u00e9\n","d":[true,false,null,[],{}],"e":{"f":{"g":[1,[2,[3]]]}},"\u0041":0} "#;
+        let object = scan_object(text).unwrap();
+        let keys: Vec<&str> = object.members.iter().map(|m| m.key.as_ref()).collect();
+        assert_eq!(keys, ["a", "b", "c", "d", "e", "A"]);
+        let value = &object.members[3].value;
+        assert_eq!(&text[value.clone()], b"[true,false,null,[],{}]");
+        assert_eq!(text[object.open_brace], b'{');
+        assert_eq!(text[object.close_brace], b'}');
+    }
+
+    #[test]
+    fn rejects_what_json_rejects() {
+        for text in [
+            &b""[..],
+            b"[]",
+            b"1",
+            b"{",
+            b"{}x",
+            b"{\"a\":}",
+            b"{\"a\" 1}",
+            b"{\"a\":1,}",
+            b"{\"a\":01}",
+            b"{\"a\":1.}",
+            b"{\"a\":.5}",
+            b"{\"a\":1e}",
+            b"{\"a\":-}",
+            b"{\"a\":tru}",
+            b"{\"a\":[1,]}",
+            b"{\"a\":[1 2]}",
+            b"{\"a\":{\"b\"}}",
+            b"{\"a\":\"\x01\"}",
+            b"{\"a\":\"\\x\"}",
+            b"{\"a\":\"\\u12\"}",
+            b"{a:1}",
+            b"{\"a\":\"unterminated}",
+            b"{\"a\":[}",
+            b"{\"a\":{]}",
+            b"{'a':1}",
+        ] {
+            assert!(!valid(text), "{}", String::from_utf8_lossy(text));
+        }
+    }
+
+    #[test]
+    fn checks_utf8_inside_strings() {
+        assert!(valid("{\"é\":\"日本語 😀\"}".as_bytes()));
+        let err = scan_object(b"{\"a\":\"\xff\"}").unwrap_err();
+        assert_eq!(err.kind, JsonErrorKind::InvalidUtf8);
+        assert_eq!(err.offset, 6);
+        assert_eq!(
+            scan_object(b"{\"\xc3\":1}").unwrap_err().kind,
+            JsonErrorKind::InvalidUtf8
+        );
+        // Truncated and overlong sequences.
+        assert!(!valid(b"{\"a\":\"\xe6\x97\"}"));
+        assert!(!valid(b"{\"a\":\"\xc0\xaf\"}"));
+    }
+
+    #[test]
+    fn the_fast_path_stops_at_every_special_byte() {
+        for special in [b'"', b'\\', 0x1f, 0x80] {
+            for position in 0..17 {
+                let mut inner = vec![b'a'; 16];
+                inner[position % 16] = special;
+                let mut text = b"{\"k\":\"".to_vec();
+                text.extend_from_slice(&inner);
+                text.extend_from_slice(b"\"}");
+                let ours = valid(&text);
+                let serde = serde_json::from_slice::<serde_json::Value>(&text).is_ok();
+                assert_eq!(ours, serde, "{special:#x} at {position}");
+            }
+        }
+    }
+
+    #[test]
+    fn deep_nesting_uses_no_call_stack() {
+        let depth = 200_000;
+        let deep = format!("{{\"a\":{}{}}}", "[".repeat(depth), "]".repeat(depth));
+        assert!(valid(deep.as_bytes()));
+        let unbalanced = format!("{{\"a\":{}}}", "[".repeat(depth));
+        assert!(!valid(unbalanced.as_bytes()));
+    }
+
+    #[test]
+    fn errors_say_where() {
+        let err = scan_object(b"{\"a\":1,}").unwrap_err();
+        assert_eq!(err.to_string(), "expected a string key at byte 7");
+        let err = scan_object(b"{\"a\":").unwrap_err();
+        assert_eq!(err.to_string(), "unexpected end of input at byte 5");
+    }
+}
