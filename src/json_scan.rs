@@ -102,15 +102,15 @@ struct Scanner<'a> {
 const ONES: u64 = 0x0101_0101_0101_0101;
 const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
 
-/// Whether any of the eight bytes needs a closer look inside a string: `"`, `\`, a control
-/// byte or a non-ASCII byte. False positives are fine (the slow path decides); there are no
-/// false negatives.
-fn needs_attention(word: u64) -> bool {
+/// Marks (high bit of each byte) the bytes that need a closer look inside a string: `"`, `\`,
+/// a control byte or a non-ASCII byte. Only bytes above the first marked one can be marked
+/// wrongly, so the lowest mark is exact.
+fn attention_mask(word: u64) -> u64 {
     let has_zero = |v: u64| v.wrapping_sub(ONES) & !v & HIGH_BITS;
     let quote = has_zero(word ^ (ONES * u64::from(b'"')));
     let backslash = has_zero(word ^ (ONES * u64::from(b'\\')));
     let control = word.wrapping_sub(ONES * 0x20) & !word & HIGH_BITS;
-    (quote | backslash | control | (word & HIGH_BITS)) != 0
+    quote | backslash | control | (word & HIGH_BITS)
 }
 
 impl<'a> Scanner<'a> {
@@ -239,7 +239,10 @@ impl<'a> Scanner<'a> {
             while let Some(chunk) = self.bytes.get(self.pos..self.pos + 8) {
                 let mut word = [0u8; 8];
                 word.copy_from_slice(chunk);
-                if needs_attention(u64::from_le_bytes(word)) {
+                let mask = attention_mask(u64::from_le_bytes(word));
+                if mask != 0 {
+                    // Straight to the first byte that matters.
+                    self.pos += (mask.trailing_zeros() / 8) as usize;
                     break;
                 }
                 self.pos += 8;
