@@ -539,15 +539,9 @@ pub async fn post(listener: &str, path: &str, id: &str, body: impl Into<reqwest:
 }
 
 pub async fn send(request: reqwest::RequestBuilder) -> Reply {
-    let response = request.send().await.expect("request failed");
-    let status = response.status().as_u16();
-    let headers = response.headers().clone();
-    let body = response.text().await.expect("reply body");
-    Reply {
-        status,
-        headers,
-        body,
-    }
+    try_send(request)
+        .await
+        .unwrap_or_else(|e| panic!("request failed: {e}"))
 }
 
 // ---------------------------------------------------------------------------------------
