@@ -69,10 +69,11 @@ impl RootContext for PdRoot {
     }
 
     fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let stats = match &self.stats {
-            Some(stats) => stats.clone(),
-            None => Rc::new(Stats::define()),
-        };
+        // Defining metrics is a host call per metric: never per request.
+        let stats = self
+            .stats
+            .clone()
+            .unwrap_or_else(|| Rc::new(Stats::disabled()));
         Some(Box::new(PdRequest {
             config: self.config.clone(),
             stats,

@@ -157,7 +157,7 @@ pub struct PreparedRequest {
 }
 
 /// Where `kv_transfer_params` go in the original body, found during the one parse.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct DecodePlan {
     /// Values of every client `kv_transfer_params` member: replaced.
     existing: Vec<Range<usize>>,

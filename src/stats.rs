@@ -43,6 +43,18 @@ fn increment(metric: Option<u32>) {
 }
 
 impl Stats {
+    /// Stats that record nothing, for a request whose plugin never finished configuring.
+    pub fn disabled() -> Stats {
+        Stats {
+            orchestrated: [None; 3],
+            passed_through: None,
+            prefill_failures: [None; FailureKind::ALL.len()],
+            decode_only_fallbacks: None,
+            bad_requests: None,
+            prefill_latency_ms: None,
+        }
+    }
+
     pub fn define() -> Stats {
         Stats {
             orchestrated: ENDPOINTS
