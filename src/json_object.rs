@@ -2,19 +2,12 @@
 //! original text, so that fields can be replaced, removed or added by splicing bytes instead
 //! of re-serializing the document (numbers, escapes and key order survive untouched).
 
-use std::borrow::Cow;
 use std::ops::Range;
 
 use crate::json_scan::{scan_object, JsonError};
 
 /// One `"key": value` member of the top-level object.
-#[derive(Debug)]
-pub struct Member<'a> {
-    /// The key with JSON escapes resolved.
-    pub key: Cow<'a, str>,
-    /// Where the value's text lies in the document.
-    pub value: Range<usize>,
-}
+pub use crate::json_scan::ScannedMember as Member;
 
 /// A validated JSON document whose top level is an object.
 #[derive(Debug)]
@@ -41,14 +34,7 @@ impl<'a> TopLevelObject<'a> {
             text,
             open_brace: scanned.open_brace,
             close_brace: scanned.close_brace,
-            members: scanned
-                .members
-                .into_iter()
-                .map(|m| Member {
-                    key: m.key,
-                    value: m.value,
-                })
-                .collect(),
+            members: scanned.members,
         })
     }
 

@@ -34,10 +34,12 @@ impl fmt::Display for JsonError {
     }
 }
 
-/// A member of the top-level object: its key (escapes resolved) and its value's bytes.
+/// A member of the top-level object.
 #[derive(Debug)]
 pub struct ScannedMember<'a> {
+    /// The key with JSON escapes resolved.
     pub key: Cow<'a, str>,
+    /// Where the value's text lies in the document.
     pub value: Range<usize>,
 }
 
