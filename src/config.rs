@@ -6,14 +6,18 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::protocol::Endpoint;
+use crate::api::Api;
+use crate::protocol::paths::{canonical_path, classify_path, PathVerdict};
+use crate::protocol::scheduling::HostAllowlist;
 
 /// What to do when prefill answers 2xx but without usable `kv_transfer_params`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MissingKvPolicy {
-    /// Send the client's original body to decode; decode recomputes the prompt.
-    RecomputeOnDecode,
+    /// Send the client's body to decode without `kv_transfer_params`: decode recomputes
+    /// the prompt. (`recompute_on_decode` is its former name.)
+    #[serde(alias = "recompute_on_decode")]
+    DecodeOnly,
     /// Answer the client 502.
     Fail,
 }
@@ -24,7 +28,7 @@ pub enum MissingKvPolicy {
 pub enum PrefillFailurePolicy {
     /// Answer the client with the mapped error (502, 503 or 504).
     Fail,
-    /// Send the original body to decode without `kv_transfer_params`: the client is still
+    /// Send the client's body to decode without `kv_transfer_params`: the client is still
     /// served, at the cost of a full prefill on decode.
     DecodeOnly,
 }
@@ -36,12 +40,14 @@ struct RawConfig {
     model_header: Option<String>,
     prefill_host_header: String,
     prefill_host_cluster: Option<String>,
+    prefill_hosts_allowed: Vec<String>,
     prefill_retries: u32,
     on_prefill_failure: PrefillFailurePolicy,
     replace_local_remote_host: bool,
     prefill_cluster: String,
     prefill_timeout_ms: u64,
     paths: Vec<String>,
+    kv_stripped_paths: Vec<String>,
     max_request_body_bytes: usize,
     on_missing_kv_transfer_params: MissingKvPolicy,
     forward_headers: Vec<String>,
@@ -58,14 +64,19 @@ impl Default for RawConfig {
                 "/v1/chat/completions".to_owned(),
                 "/v1/responses".to_owned(),
             ],
+            kv_stripped_paths: DEFAULT_KV_STRIPPED_PATHS
+                .iter()
+                .map(|path| (*path).to_owned())
+                .collect(),
             max_request_body_bytes: 8 * 1024 * 1024,
-            on_missing_kv_transfer_params: MissingKvPolicy::RecomputeOnDecode,
+            on_missing_kv_transfer_params: MissingKvPolicy::DecodeOnly,
             forward_headers: vec!["authorization".to_owned()],
             prefill_time_header: None,
             model_prefill_clusters: BTreeMap::new(),
             model_header: None,
             prefill_host_header: "x-prefiller-host-port".to_owned(),
             prefill_host_cluster: None,
+            prefill_hosts_allowed: Vec::new(),
             prefill_retries: 1,
             on_prefill_failure: PrefillFailurePolicy::Fail,
             replace_local_remote_host: false,
@@ -73,18 +84,25 @@ impl Default for RawConfig {
     }
 }
 
+/// vLLM's generation APIs that the filter does not orchestrate: their requests go to decode
+/// with any client `kv_transfer_params` removed, so that no client can make decode pull KV
+/// from a host of its choosing.
+pub const DEFAULT_KV_STRIPPED_PATHS: &[&str] = &["/v1/messages", "/inference/v1/generate"];
+
 /// A path the filter orchestrates and the API it serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Route {
+pub struct OrchestratedPath {
     pub path: String,
-    pub endpoint: Endpoint,
+    pub api: Api,
 }
 
 #[derive(Debug, Clone)]
 pub struct Config {
     pub prefill_cluster: String,
     pub prefill_timeout: Duration,
-    pub routes: Vec<Route>,
+    pub orchestrated_paths: Vec<OrchestratedPath>,
+    /// Generation APIs whose client `kv_transfer_params` are removed on the way to decode.
+    pub kv_stripped_paths: Vec<String>,
     pub max_request_body_bytes: usize,
     pub on_missing_kv_transfer_params: MissingKvPolicy,
     /// Lowercase names of client headers copied onto the prefill request.
@@ -100,6 +118,8 @@ pub struct Config {
     pub prefill_host_header: String,
     /// ORIGINAL_DST cluster used to reach a scheduler-chosen host; the feature is off without it.
     pub prefill_host_cluster: Option<String>,
+    /// The hosts a scheduler may choose for prefill.
+    pub prefill_hosts_allowed: HostAllowlist,
     /// Extra prefill attempts after a connection failure, reset or 503.
     pub prefill_retries: u32,
     pub on_prefill_failure: PrefillFailurePolicy,
@@ -159,19 +179,18 @@ impl Config {
         if raw.paths.is_empty() {
             return Err(ConfigError("paths must list at least one path".into()));
         }
-        let mut routes = Vec::with_capacity(raw.paths.len());
+        let mut orchestrated_paths = Vec::with_capacity(raw.paths.len());
         for path in raw.paths {
-            if !path.starts_with('/') || path.contains('?') {
-                return Err(ConfigError(format!(
-                    "path {path:?} must start with '/' and have no query string"
-                )));
-            }
-            let endpoint = Endpoint::from_path(&path).ok_or_else(|| {
+            check_plain_path("paths", &path)?;
+            let api = Api::from_path(&path).ok_or_else(|| {
                 ConfigError(format!(
                     "path {path:?} must end in /completions, /chat/completions or /responses"
                 ))
             })?;
-            routes.push(Route { path, endpoint });
+            orchestrated_paths.push(OrchestratedPath { path, api });
+        }
+        for path in &raw.kv_stripped_paths {
+            check_plain_path("kv_stripped_paths", path)?;
         }
         let mut forward_headers = Vec::with_capacity(raw.forward_headers.len());
         for name in raw.forward_headers {
@@ -208,6 +227,15 @@ impl Config {
         {
             return Err(ConfigError("prefill_host_cluster must not be empty".into()));
         }
+        let prefill_hosts_allowed = HostAllowlist::parse(&raw.prefill_hosts_allowed)
+            .map_err(|e| ConfigError(format!("prefill_hosts_allowed: {e}")))?;
+        if raw.prefill_host_cluster.is_some() && prefill_hosts_allowed.is_empty() {
+            return Err(ConfigError(
+                "prefill_host_cluster needs prefill_hosts_allowed: the networks or ip:port \
+                 hosts a scheduler may send prefill to (for example [\"10.0.0.0/8\"])"
+                    .into(),
+            ));
+        }
         if raw.prefill_retries > 10 {
             return Err(ConfigError("prefill_retries must be at most 10".into()));
         }
@@ -224,13 +252,15 @@ impl Config {
             model_header,
             prefill_host_header,
             prefill_host_cluster: raw.prefill_host_cluster,
+            prefill_hosts_allowed,
             prefill_retries: raw.prefill_retries,
             on_prefill_failure: raw.on_prefill_failure,
             replace_local_remote_host: raw.replace_local_remote_host,
             prefill_time_header,
             prefill_cluster: raw.prefill_cluster,
             prefill_timeout: Duration::from_millis(raw.prefill_timeout_ms),
-            routes,
+            orchestrated_paths,
+            kv_stripped_paths: raw.kv_stripped_paths,
             max_request_body_bytes: raw.max_request_body_bytes,
             on_missing_kv_transfer_params: raw.on_missing_kv_transfer_params,
             forward_headers,
@@ -244,14 +274,32 @@ impl Config {
             .unwrap_or(&self.prefill_cluster)
     }
 
-    /// The endpoint served at `path` (a query string is ignored), if the filter handles it.
-    pub fn endpoint_for(&self, path: &str) -> Option<Endpoint> {
-        let path = path.split_once('?').map_or(path, |(p, _)| p);
-        self.routes
-            .iter()
-            .find(|route| route.path == path)
-            .map(|route| route.endpoint)
+    /// What the filter does with a request to `raw_path`.
+    pub fn classify_path(&self, raw_path: &str) -> PathVerdict {
+        classify_path(
+            raw_path,
+            self.orchestrated_paths
+                .iter()
+                .map(|orchestrated| (orchestrated.path.as_str(), orchestrated.api)),
+            &self.kv_stripped_paths,
+        )
     }
+}
+
+/// A configured path must be the form a backend serves, or it could never match.
+fn check_plain_path(key: &str, path: &str) -> Result<(), ConfigError> {
+    if !path.starts_with('/') || path.contains(['?', '#']) {
+        return Err(ConfigError(format!(
+            "{key}: path {path:?} must start with '/' and have no query string"
+        )));
+    }
+    if canonical_path(path) != path {
+        return Err(ConfigError(format!(
+            "{key}: path {path:?} must be written plainly, as {:?}",
+            canonical_path(path)
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -264,10 +312,10 @@ mod tests {
             let config = Config::from_json(input).unwrap();
             assert_eq!(config.prefill_cluster, "prefill");
             assert_eq!(config.prefill_timeout, Duration::from_secs(120));
-            assert_eq!(config.routes.len(), 3);
+            assert_eq!(config.orchestrated_paths.len(), 3);
             assert_eq!(
                 config.on_missing_kv_transfer_params,
-                MissingKvPolicy::RecomputeOnDecode
+                MissingKvPolicy::DecodeOnly
             );
             assert_eq!(config.forward_headers, vec!["authorization"]);
             assert_eq!(config.prefill_time_header, None);
@@ -289,38 +337,78 @@ mod tests {
     }
 
     #[test]
-    fn matches_paths_ignoring_the_query() {
+    fn classifies_paths_ignoring_the_query() {
         let config = Config::from_json(b"").unwrap();
+        let orchestrated = |path: &str| match config.classify_path(path) {
+            PathVerdict::Orchestrate(api) => Some(api),
+            _ => None,
+        };
         assert_eq!(
-            config.endpoint_for("/v1/chat/completions?x=1"),
-            Some(Endpoint::ChatCompletions)
+            orchestrated("/v1/chat/completions?x=1"),
+            Some(Api::ChatCompletions)
+        );
+        assert_eq!(orchestrated("/v1/responses"), Some(Api::Responses));
+        assert_eq!(orchestrated("/v1/completions"), Some(Api::Completions));
+        assert_eq!(config.classify_path("/v1/models"), PathVerdict::NotOurs);
+        assert_eq!(
+            config.classify_path("/v1/completions/x"),
+            PathVerdict::NotOurs
         );
         assert_eq!(
-            config.endpoint_for("/v1/responses"),
-            Some(Endpoint::Responses)
+            config.classify_path("/v1/messages"),
+            PathVerdict::StripKvTransferParams
         );
-        assert_eq!(
-            config.endpoint_for("/v1/completions"),
-            Some(Endpoint::Completions)
-        );
-        assert_eq!(config.endpoint_for("/v1/models"), None);
-        assert_eq!(config.endpoint_for("/v1/completions/x"), None);
+        assert!(matches!(
+            config.classify_path("/v1/%63ompletions"),
+            PathVerdict::Refuse(_)
+        ));
     }
 
     #[test]
-    fn custom_paths_take_their_endpoint_from_the_suffix() {
+    fn custom_paths_take_their_api_from_the_suffix() {
         let config =
             Config::from_json(br#"{"paths":["/openai/v1/chat/completions","/x/responses"]}"#)
                 .unwrap();
         assert_eq!(
-            config.endpoint_for("/openai/v1/chat/completions"),
-            Some(Endpoint::ChatCompletions)
+            config.classify_path("/openai/v1/chat/completions"),
+            PathVerdict::Orchestrate(Api::ChatCompletions)
         );
         assert_eq!(
-            config.endpoint_for("/x/responses"),
-            Some(Endpoint::Responses)
+            config.classify_path("/x/responses"),
+            PathVerdict::Orchestrate(Api::Responses)
         );
-        assert_eq!(config.endpoint_for("/v1/completions"), None);
+        assert_eq!(
+            config.classify_path("/v1/completions"),
+            PathVerdict::NotOurs
+        );
+    }
+
+    #[test]
+    fn old_spellings_of_decode_only_still_work() {
+        let config =
+            Config::from_json(br#"{"on_missing_kv_transfer_params":"recompute_on_decode"}"#)
+                .unwrap();
+        assert_eq!(
+            config.on_missing_kv_transfer_params,
+            MissingKvPolicy::DecodeOnly
+        );
+        let config =
+            Config::from_json(br#"{"on_missing_kv_transfer_params":"decode_only"}"#).unwrap();
+        assert_eq!(
+            config.on_missing_kv_transfer_params,
+            MissingKvPolicy::DecodeOnly
+        );
+    }
+
+    #[test]
+    fn scheduler_hosts_need_an_allowlist() {
+        let config = Config::from_json(
+            br#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8"]}"#,
+        )
+        .unwrap();
+        assert!(config
+            .prefill_hosts_allowed
+            .allows("10.2.3.4:8000".parse().unwrap()));
     }
 
     #[test]
@@ -339,6 +427,22 @@ mod tests {
             (r#"{"paths":[]}"#, "at least one path"),
             (r#"{"paths":["/v1/embeddings"]}"#, "must end in"),
             (r#"{"paths":["v1/completions"]}"#, "must start with '/'"),
+            (
+                r#"{"paths":["/v1//completions"]}"#,
+                "must be written plainly",
+            ),
+            (
+                r#"{"kv_stripped_paths":["/v1/%6dessages"]}"#,
+                "must be written plainly",
+            ),
+            (
+                r#"{"prefill_host_cluster":"dst"}"#,
+                "needs prefill_hosts_allowed",
+            ),
+            (
+                r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["host:1"]}"#,
+                "prefill_hosts_allowed",
+            ),
             (
                 r#"{"on_missing_kv_transfer_params":"maybe"}"#,
                 "unknown variant",
@@ -359,7 +463,7 @@ mod tests {
             (r#"{"prefill_retries":11}"#, "at most 10"),
             (r#"{"on_prefill_failure":"retry"}"#, "unknown variant"),
             (
-                r#"{"replace_local_remote_host":true}"#,
+                r#"{"replace_local_remote_host":true,"prefill_hosts_allowed":["10.0.0.1"]}"#,
                 "needs prefill_host_cluster",
             ),
             ("not json", "expected"),

@@ -1,23 +1,18 @@
-//! The adapter to the proxy-wasm host. It only moves bytes between Envoy and
-//! [`crate::protocol`]; every host call goes through `hostcalls` so that an unexpected host
-//! status is handled as a value instead of panicking the VM (the SDK's trait helpers unwrap).
+//! The adapter to the proxy-wasm host: it turns host callbacks into [`Session`] events and
+//! the session's commands into host calls, and decides nothing itself. Every host call goes
+//! through `hostcalls` so that an unexpected host status is handled as a value instead of
+//! panicking the VM (the SDK's trait helpers unwrap).
 
-use std::net::SocketAddr;
 use std::rc::Rc;
-use std::time::{Duration, SystemTime};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
-use crate::config::{Config, PrefillFailurePolicy};
-use crate::protocol::{
-    self, ClientError, DecodePlan, Endpoint, FailureKind, PrefillFailure, PrefillOutcome,
-};
+use crate::config::Config;
+use crate::session::{BodyStep, Command, Flow, HostFailure, Session, Step};
 use crate::stats::Stats;
-
-/// Header an ORIGINAL_DST cluster (`use_http_header: true`) reads the destination from.
-const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -51,7 +46,7 @@ impl RootContext for PdRoot {
                 log::info!(
                     "pd-filter configured: prefill cluster {:?}, {} paths, prefill timeout {:?}",
                     config.prefill_cluster,
-                    config.routes.len(),
+                    config.orchestrated_paths.len(),
                     config.prefill_timeout
                 );
                 self.config = Some(Rc::new(config));
@@ -75,51 +70,26 @@ impl RootContext for PdRoot {
             .clone()
             .unwrap_or_else(|| Rc::new(Stats::disabled()));
         Some(Box::new(PdRequest {
-            config: self.config.clone(),
+            session: Session::new(self.config.clone()),
             stats,
-            request_id: String::new(),
-            prefill_headers: Vec::new(),
-            scheduled_hosts: Vec::new(),
-            state: State::PassThrough,
-            prefill_time: None,
         }))
     }
 }
 
-enum State {
-    /// Not a request the filter orchestrates, or one already sent on to decode.
-    PassThrough,
-    /// The filter answered the client itself.
-    Answered,
-    /// Waiting for the rest of the client body.
-    Buffering { endpoint: Endpoint },
-    /// A prefill callout is in flight; the client body is held by Envoy.
-    AwaitingPrefill(Flight),
-}
-
-/// The prefill leg of one request, across its attempts.
-struct Flight {
-    token: u32,
-    endpoint: Endpoint,
-    original: Vec<u8>,
-    decode_plan: DecodePlan,
-    cluster: String,
-    /// Number of the attempt in flight, from 0.
-    attempt: u32,
-    started: Option<SystemTime>,
-}
-
 struct PdRequest {
-    config: Option<Rc<Config>>,
+    session: Session,
     stats: Rc<Stats>,
-    request_id: String,
-    /// Headers every prefill attempt carries.
-    prefill_headers: Vec<(String, String)>,
-    /// Prefill hosts a scheduler chose, tried in order.
-    scheduled_hosts: Vec<SocketAddr>,
-    state: State,
-    /// How long the prefill leg took, once it answered.
-    prefill_time: Option<Duration>,
+}
+
+fn now() -> SystemTime {
+    hostcalls::get_current_time().unwrap_or(UNIX_EPOCH)
+}
+
+fn action(flow: Flow) -> Action {
+    match flow {
+        Flow::Continue => Action::Continue,
+        Flow::Pause => Action::Pause,
+    }
 }
 
 impl Context for PdRequest {
@@ -130,17 +100,6 @@ impl Context for PdRequest {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let flight = match std::mem::replace(&mut self.state, State::PassThrough) {
-            State::AwaitingPrefill(flight) if flight.token == token_id => flight,
-            other => {
-                self.state = other;
-                return;
-            }
-        };
-        let Some(config) = self.config.clone() else {
-            return;
-        };
-
         // A reset callout has no headers at all: read them as a list, never `:status` by name.
         let status = hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders)
             .unwrap_or_default()
@@ -151,419 +110,161 @@ impl Context for PdRequest {
             .ok()
             .flatten()
             .unwrap_or_default();
-        let outcome = protocol::interpret_prefill_response(
-            status,
-            &body,
-            config.on_missing_kv_transfer_params,
-        );
-        let flight = match &outcome {
-            Err(failure) if failure.is_retryable() => match self.retry(&config, flight, failure) {
-                Ok(()) => return,
-                Err(flight) => flight,
-            },
-            _ => flight,
-        };
+        let commands = self
+            .session
+            .on_prefill_answer(token_id, status, &body, now());
+        self.execute(commands);
+    }
 
-        self.prefill_time = flight.started.and_then(|started| {
-            hostcalls::get_current_time()
-                .ok()?
-                .duration_since(started)
-                .ok()
-        });
-        if let Some(elapsed) = self.prefill_time {
-            self.stats.prefill_latency(elapsed.as_millis() as u64);
-        }
-
-        match outcome {
-            Ok(PrefillOutcome::KvTransferParams(kv)) => {
-                let reached = self.host_of_attempt(flight.attempt);
-                let with_host = reached
-                    .filter(|_| config.replace_local_remote_host)
-                    .and_then(|host| protocol::with_reachable_remote_host(kv, host.ip()));
-                let kv = with_host.as_deref().unwrap_or(kv);
-                let decode_body = protocol::decode_body(&flight.original, &flight.decode_plan, kv);
-                if let Err(status) = hostcalls::set_buffer(
-                    BufferType::HttpRequestBody,
-                    0,
-                    flight.original.len(),
-                    &decode_body,
-                ) {
-                    log::error!(
-                        "[{}] could not replace the request body: {status:?}",
-                        self.request_id
-                    );
-                    self.reply_error(&ClientError::internal(
-                        "pd-filter could not write the decode request body",
-                    ));
-                    return;
-                }
-                log::debug!(
-                    "[{}] prefill answered in {:?}; resuming to decode",
-                    self.request_id,
-                    self.prefill_time
-                );
-                self.resume();
-            }
-            Ok(PrefillOutcome::RecomputeOnDecode(reason)) => {
-                self.decode_only(FailureKind::NoKvTransferParams, &reason);
-            }
-            Err(failure) => {
-                if config.on_prefill_failure == PrefillFailurePolicy::DecodeOnly
-                    && !failure.is_client_error()
-                {
-                    self.decode_only(failure.kind, &failure.error.message);
-                } else {
-                    self.fail_prefill(&failure);
-                }
-            }
-        }
+    fn on_done(&mut self) -> bool {
+        self.session.on_client_gone();
+        true
     }
 }
 
 impl HttpContext for PdRequest {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let Some(config) = self.config.clone() else {
-            self.reply_error(&ClientError::internal(
-                "pd-filter has no valid configuration",
-            ));
-            return Action::Pause;
-        };
         // One host call for all headers rather than one per header.
         let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
-        let request_header = |name: &str| {
-            headers
-                .iter()
-                .find(|(key, _)| key == name)
-                .and_then(|(_, value)| std::str::from_utf8(value).ok())
-                .map(str::to_owned)
-        };
-        let path = request_header(":path");
-        let endpoint = path.as_deref().and_then(|path| config.endpoint_for(path));
-        let (Some(path), Some(endpoint), Some("POST")) =
-            (path, endpoint, request_header(":method").as_deref())
-        else {
-            self.stats.passed_through();
-            return Action::Continue;
-        };
-
-        self.request_id = match request_header("x-request-id").filter(|id| !id.is_empty()) {
-            Some(id) => id,
-            None => {
-                let id = crate::request_id::new_request_id();
-                set_request_header("x-request-id", Some(&id), &id);
-                id
-            }
-        };
-
-        if let Err(error) = protocol::check_content_type(request_header("content-type").as_deref())
-        {
-            self.reject(&error);
-            return Action::Pause;
-        }
-        if end_of_stream {
-            self.reject(&ClientError::bad_request("request body is empty"));
-            return Action::Pause;
-        }
-        let declared_length =
-            request_header("content-length").and_then(|v| v.parse::<usize>().ok());
-        if declared_length.is_some_and(|length| length > config.max_request_body_bytes) {
-            self.reject(&ClientError::payload_too_large(
-                config.max_request_body_bytes,
-            ));
-            return Action::Pause;
-        }
-        if config.prefill_host_cluster.is_some() {
-            if let Some(value) = request_header(&config.prefill_host_header) {
-                // The scheduler's choice is for the prefill leg only.
-                set_request_header(&config.prefill_host_header, None, &self.request_id);
-                match protocol::parse_prefill_hosts(&config.prefill_host_header, &value) {
-                    Ok(hosts) => self.scheduled_hosts = hosts,
-                    Err(error) => {
-                        self.reject(&error);
-                        return Action::Pause;
-                    }
-                }
-            }
-        }
-        // The decode body is longer than the client's: let Envoy frame it.
-        set_request_header("content-length", None, &self.request_id);
-
-        let authority =
-            request_header(":authority").unwrap_or_else(|| config.prefill_cluster.clone());
-        self.prefill_headers = vec![
-            (":method".to_owned(), "POST".to_owned()),
-            (":path".to_owned(), path),
-            (":authority".to_owned(), authority),
-            ("content-type".to_owned(), "application/json".to_owned()),
-            ("x-request-id".to_owned(), self.request_id.clone()),
-        ];
-        for name in &config.forward_headers {
-            if let Some(value) = request_header(name) {
-                self.prefill_headers.push((name.clone(), value));
-            }
-        }
-        self.state = State::Buffering { endpoint };
-        if config.model_header.is_some() {
-            // Hold the headers until the model is known, so that Envoy picks the route with
-            // it. Needs `allow_on_headers_stop_iteration: true`, or Envoy holds the body too.
-            Action::Pause
-        } else {
-            Action::Continue
-        }
+        let step = self.session.on_request_headers(&headers, end_of_stream);
+        self.run(step)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let endpoint = match self.state {
-            State::Buffering { endpoint } => endpoint,
-            State::PassThrough => return Action::Continue,
-            State::Answered | State::AwaitingPrefill(_) => return Action::Pause,
-        };
-        let Some(config) = self.config.clone() else {
-            return Action::Continue;
-        };
-        if body_size > config.max_request_body_bytes {
-            self.reject(&ClientError::payload_too_large(
-                config.max_request_body_bytes,
-            ));
-            return Action::Pause;
-        }
-        if !end_of_stream {
-            return Action::Pause;
-        }
+        let step = self.session.on_request_body(body_size, end_of_stream);
+        self.run_body_step(step)
+    }
 
-        let body = match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) {
-            Ok(body) => body.unwrap_or_default(),
-            Err(status) => {
-                log::error!(
-                    "[{}] could not read the request body: {status:?}",
-                    self.request_id
-                );
-                self.reply_error(&ClientError::internal(
-                    "pd-filter could not read the request body",
-                ));
-                return Action::Pause;
-            }
-        };
-        let prepared = match protocol::prepare(endpoint, &body) {
-            Ok(prepared) => prepared,
-            Err(error) => {
-                self.reject(&error);
-                return Action::Pause;
-            }
-        };
-        self.stats.orchestrated(endpoint);
-        if let (Some(header), Some(model)) = (&config.model_header, &prepared.model) {
-            set_request_header(header, Some(model), &self.request_id);
-            // Envoy picked no route yet (the headers are held); make sure it picks it with
-            // the model header.
-            let _ = hostcalls::call_foreign_function("clear_route_cache", None);
-        }
-
-        let cluster = match &config.prefill_host_cluster {
-            Some(cluster) if !self.scheduled_hosts.is_empty() => cluster.clone(),
-            _ => config
-                .prefill_cluster_for(prepared.model.as_deref())
-                .to_owned(),
-        };
-        let mut flight = Flight {
-            token: 0,
-            endpoint,
-            original: body,
-            decode_plan: prepared.decode_plan,
-            cluster,
-            attempt: 0,
-            started: hostcalls::get_current_time().ok(),
-        };
-        match self.dispatch_prefill(&config, &flight, &prepared.prefill_body) {
-            Ok(token) => {
-                flight.token = token;
-                self.state = State::AwaitingPrefill(flight);
-            }
-            Err(failure) => self.fail_prefill(&failure),
-        }
-        Action::Pause
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        let step = self.session.on_request_trailers();
+        self.run_body_step(step)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let header = self
-            .config
-            .as_ref()
-            .and_then(|config| config.prefill_time_header.as_deref());
-        if let (Some(name), Some(elapsed)) = (header, self.prefill_time) {
-            let millis = elapsed.as_millis().to_string();
-            if let Err(status) =
-                hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &millis)
-            {
-                log::warn!("[{}] could not add {name}: {status:?}", self.request_id);
-            }
-        }
+        let commands = self.session.on_response_headers();
+        self.execute(commands);
         Action::Continue
     }
 }
 
 impl PdRequest {
-    /// The scheduler-chosen host an attempt goes to, if any: the list is tried in order.
-    fn host_of_attempt(&self, attempt: u32) -> Option<SocketAddr> {
-        let count = self.scheduled_hosts.len();
-        if count == 0 {
-            return None;
-        }
-        self.scheduled_hosts.get(attempt as usize % count).copied()
-    }
-
-    /// Time left for prefill attempts, `None` once the budget is spent.
-    fn remaining_budget(config: &Config, flight: &Flight) -> Option<Duration> {
-        let Some(started) = flight.started else {
-            return Some(config.prefill_timeout);
-        };
-        let elapsed = hostcalls::get_current_time()
-            .ok()
-            .and_then(|now| now.duration_since(started).ok())
-            .unwrap_or_default();
-        config
-            .prefill_timeout
-            .checked_sub(elapsed)
-            .filter(|left| !left.is_zero())
-    }
-
-    fn dispatch_prefill(
-        &mut self,
-        config: &Config,
-        flight: &Flight,
-        prefill_body: &[u8],
-    ) -> Result<u32, PrefillFailure> {
-        let timeout = Self::remaining_budget(config, flight).unwrap_or(config.prefill_timeout);
-        let host = self
-            .host_of_attempt(flight.attempt)
-            .map(|host| host.to_string());
-        let mut headers: Vec<(&str, &str)> = self
-            .prefill_headers
-            .iter()
-            .map(|(name, value)| (name.as_str(), value.as_str()))
-            .collect();
-        if let Some(host) = &host {
-            headers.push((ORIGINAL_DST_HEADER, host));
-        }
-        self.dispatch_http_call(
-            &flight.cluster,
-            headers,
-            Some(prefill_body),
-            vec![],
-            timeout,
-        )
-        .map_err(|status| {
-            log::debug!(
-                "[{}] dispatch_http_call to {:?}: {status:?}",
-                self.request_id,
-                flight.cluster
-            );
-            PrefillFailure::not_dispatched(&flight.cluster)
-        })
-    }
-
-    /// Starts the next attempt after a retryable failure, if retries and time are left;
-    /// otherwise hands the flight back.
-    fn retry(
-        &mut self,
-        config: &Config,
-        flight: Flight,
-        failure: &PrefillFailure,
-    ) -> Result<(), Flight> {
-        if flight.attempt >= config.prefill_retries
-            || Self::remaining_budget(config, &flight).is_none()
-        {
-            return Err(flight);
-        }
-        // The prefill body is rebuilt rather than kept: retries are rare, memory is not.
-        let Ok(prepared) = protocol::prepare(flight.endpoint, &flight.original) else {
-            return Err(flight);
-        };
-        let next = Flight {
-            attempt: flight.attempt + 1,
-            ..flight
-        };
-        match self.dispatch_prefill(config, &next, &prepared.prefill_body) {
-            Ok(token) => {
-                log::info!(
-                    "[{}] prefill attempt {} failed ({}): {}; retrying",
-                    self.request_id,
-                    next.attempt,
-                    failure.kind.name(),
-                    failure.error.message
-                );
-                self.state = State::AwaitingPrefill(Flight { token, ..next });
-                Ok(())
+    fn run_body_step(&mut self, step: BodyStep) -> Action {
+        match step {
+            BodyStep::Step(step) => self.run(step),
+            BodyStep::ReadBody => {
+                match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX) {
+                    Ok(body) => {
+                        let step = self
+                            .session
+                            .on_request_complete(body.unwrap_or_default(), now());
+                        self.run(step)
+                    }
+                    Err(status) => {
+                        log::debug!("get_buffer(HttpRequestBody): {status:?}");
+                        let commands = self.session.on_host_failure(HostFailure::ReadRequestBody);
+                        self.execute(commands);
+                        Action::Pause
+                    }
+                }
             }
-            Err(_) => Err(next),
         }
     }
 
-    /// Sends the original body to decode without `kv_transfer_params`: decode recomputes.
-    fn decode_only(&mut self, kind: FailureKind, reason: &str) {
-        log::warn!(
-            "[{}] prefill failure ({}): {reason}; decode will recompute the prompt",
-            self.request_id,
-            kind.name()
-        );
-        self.stats.prefill_failure(kind);
-        self.stats.decode_only_fallback();
-        self.resume();
+    fn run(&mut self, step: Step) -> Action {
+        self.execute(step.commands);
+        action(step.flow)
     }
 
-    /// Answers a request the filter will not orchestrate because of its own content.
-    fn reject(&mut self, error: &ClientError) {
-        self.stats.bad_request();
-        log::debug!(
-            "[{}] rejected with {}: {}",
-            self.request_id,
-            error.status,
-            error.message
-        );
-        self.reply_error(error);
-    }
-
-    fn fail_prefill(&mut self, failure: &PrefillFailure) {
-        self.stats.prefill_failure(failure.kind);
-        log::warn!(
-            "[{}] prefill failure ({}): answering {}: {}",
-            self.request_id,
-            failure.kind.name(),
-            failure.error.status,
-            failure.error.message
-        );
-        self.reply_error(&failure.error);
-    }
-
-    fn resume(&mut self) {
-        self.state = State::PassThrough;
-        if let Err(status) = hostcalls::resume_http_request() {
-            log::error!(
-                "[{}] could not resume the request: {status:?}",
-                self.request_id
-            );
+    fn execute(&mut self, commands: Vec<Command>) {
+        let mut queue = std::collections::VecDeque::from(commands);
+        while let Some(command) = queue.pop_front() {
+            let follow_up = self.perform(command);
+            for command in follow_up.into_iter().rev() {
+                queue.push_front(command);
+            }
         }
     }
 
-    fn reply_error(&mut self, error: &ClientError) {
-        self.state = State::Answered;
-        let mut headers = vec![("content-type", "application/json")];
-        if !self.request_id.is_empty() {
-            headers.push(("x-request-id", self.request_id.as_str()));
+    /// Carries out one command; a command whose result the session needs returns the
+    /// session's next commands.
+    fn perform(&mut self, command: Command) -> Vec<Command> {
+        let request_id = self.session.request_id();
+        match command {
+            Command::SetRequestHeader { name, value } => {
+                if let Err(status) =
+                    hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, Some(&value))
+                {
+                    log::warn!("[{request_id}] could not set request header {name}: {status:?}");
+                }
+            }
+            Command::RemoveRequestHeader(name) => {
+                if let Err(status) =
+                    hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None)
+                {
+                    log::warn!("[{request_id}] could not remove request header {name}: {status:?}");
+                }
+            }
+            Command::ClearRouteCache => {
+                let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+            }
+            Command::DispatchPrefill(call) => {
+                let headers: Vec<(&str, &str)> = call
+                    .headers
+                    .iter()
+                    .map(|(name, value)| (name.as_str(), value.as_str()))
+                    .collect();
+                // The trait method, not `hostcalls`: the SDK must know the token to route
+                // the answer back to this context.
+                let token = self
+                    .dispatch_http_call(
+                        &call.cluster,
+                        headers,
+                        Some(&call.body),
+                        vec![],
+                        call.timeout,
+                    )
+                    .map_err(|status| log::debug!("dispatch_http_call: {status:?}"))
+                    .ok();
+                return self.session.on_prefill_dispatched(token, now());
+            }
+            Command::ReplaceRequestBody { body, replaced_len } => {
+                if let Err(status) =
+                    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, replaced_len, &body)
+                {
+                    log::debug!("[{request_id}] set_buffer(HttpRequestBody): {status:?}");
+                    return self
+                        .session
+                        .on_host_failure(HostFailure::ReplaceRequestBody);
+                }
+            }
+            Command::ResumeRequest => {
+                if let Err(status) = hostcalls::resume_http_request() {
+                    log::error!("[{request_id}] could not resume the request: {status:?}");
+                }
+            }
+            Command::SendReply(reply) => {
+                let headers: Vec<(&str, &str)> = reply
+                    .headers
+                    .iter()
+                    .map(|(name, value)| (name.as_str(), value.as_str()))
+                    .collect();
+                if let Err(status) = hostcalls::send_http_response(
+                    u32::from(reply.status),
+                    headers,
+                    Some(&reply.body),
+                ) {
+                    log::error!("[{request_id}] could not send the error reply: {status:?}");
+                }
+            }
+            Command::AddResponseHeader { name, value } => {
+                if let Err(status) =
+                    hostcalls::add_map_value(MapType::HttpResponseHeaders, &name, &value)
+                {
+                    log::warn!("[{request_id}] could not add {name}: {status:?}");
+                }
+            }
+            Command::Record(metric) => self.stats.record(metric),
         }
-        if let Err(status) =
-            hostcalls::send_http_response(u32::from(error.status), headers, Some(&error.to_json()))
-        {
-            log::error!(
-                "[{}] could not send the error reply: {status:?}",
-                self.request_id
-            );
-        }
-    }
-}
-
-/// Sets (or with `None` removes) a request header; only valid before the headers continue.
-fn set_request_header(name: &str, value: Option<&str>, request_id: &str) {
-    if let Err(status) = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value) {
-        log::warn!("[{request_id}] could not set request header {name}: {status:?}");
+        Vec::new()
     }
 }

@@ -1,9 +1,10 @@
 //! pd-filter: an Envoy proxy-wasm HTTP filter that runs vLLM prefill/decode disaggregation.
 //!
-//! The protocol lives in host-agnostic modules ([`config`], [`protocol`], [`json_object`],
-//! [`json_scan`]);
-//! `filter` is the thin adapter to the proxy-wasm host; it is only built for wasm32 and left
-//! out of test builds, so that the protocol's unit tests also run as wasm32 (under Node's WASI).
+//! Everything the filter decides is host-free and tested natively and as wasm32:
+//! [`session`] (one request's state machine), [`protocol`] (the P/D protocol by job),
+//! [`config`], [`json`] and [`api`]. `filter` and `stats` are the thin adapter to the
+//! proxy-wasm host; they are only built for wasm32 and left out of test builds, so that the
+//! unit tests also run as wasm32 (under Node's WASI).
 
 // What runs inside Envoy must not panic: a panic kills the VM for every later request.
 #![cfg_attr(
@@ -19,11 +20,12 @@
     )
 )]
 
+pub mod api;
 pub mod config;
-pub mod json_object;
-pub mod json_scan;
+pub mod json;
 pub mod protocol;
 pub mod request_id;
+pub mod session;
 
 #[cfg(all(target_arch = "wasm32", not(test)))]
 mod filter;

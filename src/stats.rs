@@ -1,25 +1,21 @@
 //! The filter's Envoy stats. Envoy shows them under `wasmcustom.pd_filter.*` on the admin
-//! `/stats` endpoint (and `/stats/prometheus`), summed over all workers.
+//! `/stats` endpoint (and as `pd_filter_*` in `/stats/prometheus`), summed over all workers.
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
-use crate::protocol::{Endpoint, FailureKind};
+use crate::api::Api;
+use crate::protocol::FailureKind;
+use crate::session::Metric;
 
 pub struct Stats {
-    orchestrated: [Option<u32>; 3],
+    orchestrated: [Option<u32>; Api::ALL.len()],
     passed_through: Option<u32>,
     prefill_failures: [Option<u32>; FailureKind::ALL.len()],
     decode_only_fallbacks: Option<u32>,
     bad_requests: Option<u32>,
     prefill_latency_ms: Option<u32>,
 }
-
-const ENDPOINTS: [Endpoint; 3] = [
-    Endpoint::Completions,
-    Endpoint::ChatCompletions,
-    Endpoint::Responses,
-];
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
     match hostcalls::define_metric(kind, name) {
@@ -46,7 +42,7 @@ impl Stats {
     /// Stats that record nothing, for a request whose plugin never finished configuring.
     pub fn disabled() -> Stats {
         Stats {
-            orchestrated: [None; 3],
+            orchestrated: [None; Api::ALL.len()],
             passed_through: None,
             prefill_failures: [None; FailureKind::ALL.len()],
             decode_only_fallbacks: None,
@@ -57,8 +53,8 @@ impl Stats {
 
     pub fn define() -> Stats {
         Stats {
-            orchestrated: ENDPOINTS
-                .map(|endpoint| counter(&format!("requests_orchestrated.{}", endpoint.name()))),
+            orchestrated: Api::ALL
+                .map(|api| counter(&format!("requests_orchestrated.{}", api.name()))),
             passed_through: counter("requests_passed_through"),
             prefill_failures: FailureKind::ALL
                 .map(|kind| counter(&format!("prefill_failures.{}", kind.name()))),
@@ -68,31 +64,25 @@ impl Stats {
         }
     }
 
-    pub fn orchestrated(&self, endpoint: Endpoint) {
-        let index = ENDPOINTS.iter().position(|e| *e == endpoint);
-        increment(index.and_then(|i| self.orchestrated.get(i).copied().flatten()));
-    }
-
-    pub fn passed_through(&self) {
-        increment(self.passed_through);
-    }
-
-    pub fn prefill_failure(&self, kind: FailureKind) {
-        let index = FailureKind::ALL.iter().position(|k| *k == kind);
-        increment(index.and_then(|i| self.prefill_failures.get(i).copied().flatten()));
-    }
-
-    pub fn decode_only_fallback(&self) {
-        increment(self.decode_only_fallbacks);
-    }
-
-    pub fn bad_request(&self) {
-        increment(self.bad_requests);
-    }
-
-    pub fn prefill_latency(&self, millis: u64) {
-        if let Some(id) = self.prefill_latency_ms {
-            let _ = hostcalls::record_metric(id, millis);
+    pub fn record(&self, metric: Metric) {
+        match metric {
+            Metric::Orchestrated(api) => {
+                let index = Api::ALL.iter().position(|a| *a == api);
+                increment(index.and_then(|i| self.orchestrated.get(i).copied().flatten()));
+            }
+            Metric::PassedThrough => increment(self.passed_through),
+            Metric::PrefillFailure(kind) => {
+                let index = FailureKind::ALL.iter().position(|k| *k == kind);
+                increment(index.and_then(|i| self.prefill_failures.get(i).copied().flatten()));
+            }
+            Metric::DecodeOnlyFallback => increment(self.decode_only_fallbacks),
+            Metric::BadRequest => increment(self.bad_requests),
+            Metric::PrefillLatency(elapsed) => {
+                if let Some(id) = self.prefill_latency_ms {
+                    let millis = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+                    let _ = hostcalls::record_metric(id, millis);
+                }
+            }
         }
     }
 }

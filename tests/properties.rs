@@ -4,11 +4,10 @@
 //!
 //! `PD_PROPTEST_CASES` sets the number of cases per property (default 2,000).
 
-use pd_filter::config::MissingKvPolicy;
-use pd_filter::json_scan::scan_object;
-use pd_filter::protocol::{
-    decode_body, interpret_prefill_response, prepare, Endpoint, REMOTE_DECODE_REQUEST,
-};
+use pd_filter::api::Api;
+use pd_filter::json::JsonObject;
+use pd_filter::protocol::rewrite::REMOTE_DECODE_REQUEST;
+use pd_filter::protocol::{prepare, read_prefill_answer};
 use proptest::prelude::*;
 use serde_json::{Map, Value};
 
@@ -99,11 +98,11 @@ fn json_object() -> impl Strategy<Value = String> {
     })
 }
 
-fn endpoint() -> impl Strategy<Value = Endpoint> {
+fn api() -> impl Strategy<Value = Api> {
     prop_oneof![
-        Just(Endpoint::Completions),
-        Just(Endpoint::ChatCompletions),
-        Just(Endpoint::Responses),
+        Just(Api::Completions),
+        Just(Api::ChatCompletions),
+        Just(Api::Responses),
     ]
 }
 
@@ -115,15 +114,25 @@ fn parse_last_wins(text: &[u8]) -> Map<String, Value> {
     }
 }
 
+/// How many members named `key` the top-level object has.
+fn top_level_count(text: &[u8], key: &str) -> usize {
+    JsonObject::parse(text)
+        .expect("valid object")
+        .members()
+        .iter()
+        .filter(|member| member.key == key)
+        .count()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
 
     #[test]
-    fn arbitrary_bytes_never_panic(endpoint in endpoint(), body in prop::collection::vec(any::<u8>(), 0..256)) {
-        if let Err(error) = prepare(endpoint, &body) {
+    fn arbitrary_bytes_never_panic(api in api(), body in prop::collection::vec(any::<u8>(), 0..256)) {
+        if let Err(error) = prepare(api, &body) {
             prop_assert_eq!(error.status, 400);
         }
-        let _ = interpret_prefill_response(Some(200), &body, MissingKvPolicy::Fail);
+        let _ = read_prefill_answer(Some(200), &body);
     }
 
     /// The filter's own JSON scanner against serde_json, on valid objects with a few bytes
@@ -154,7 +163,7 @@ proptest! {
             && std::str::from_utf8(&bytes).is_ok()
             && serde_json::from_slice::<serde::de::IgnoredAny>(&bytes).is_ok();
         prop_assert_eq!(
-            scan_object(&bytes).is_ok(),
+            JsonObject::parse(&bytes).is_ok(),
             expected,
             "{}",
             String::from_utf8_lossy(&bytes)
@@ -163,12 +172,15 @@ proptest! {
 
     #[test]
     fn decode_gets_the_original_with_only_kv_transfer_params_changed(
-        endpoint in endpoint(),
+        api in api(),
         text in json_object(),
         kv in json_value().prop_map(|v| format!("{{\"remote_block_ids\":{v}}}")),
     ) {
-        let prepared = prepare(endpoint, text.as_bytes()).expect("a valid object is accepted");
-        let decode = decode_body(text.as_bytes(), &prepared.decode_plan, kv.as_bytes());
+        let prepared = prepare(api, text.as_bytes()).expect("a valid object is accepted");
+        let decode = prepared.decode.body_with_kv(text.as_bytes(), kv.as_bytes());
+        prop_assert_eq!(decode.len(), prepared.decode.len_with_kv(kv.len()));
+        prop_assert_eq!(top_level_count(&decode, "kv_transfer_params"), 1);
+        prop_assert!(decode.len() <= text.len() + kv.len() + 32);
 
         let mut expected = parse_last_wins(text.as_bytes());
         expected.insert("kv_transfer_params".to_owned(), serde_json::from_str(&kv).unwrap());
@@ -185,17 +197,19 @@ proptest! {
     }
 
     #[test]
-    fn prefill_has_every_limit_capped(endpoint in endpoint(), text in json_object()) {
-        let prepared = prepare(endpoint, text.as_bytes()).expect("a valid object is accepted");
+    fn prefill_has_every_limit_capped(api in api(), text in json_object()) {
+        let prepared = prepare(api, text.as_bytes()).expect("a valid object is accepted");
         let original = parse_last_wins(text.as_bytes());
         let prefill = parse_last_wins(&prepared.prefill_body);
+        prop_assert_eq!(top_level_count(&prepared.prefill_body, "kv_transfer_params"), 1);
+        prop_assert!(prepared.prefill_body.len() <= text.len() + REMOTE_DECODE_REQUEST.len() + 96);
         let one = Value::from(1);
 
         prop_assert_eq!(prefill.get("max_tokens"), Some(&one));
         for key in ["max_completion_tokens", "n"] {
             prop_assert_eq!(prefill.get(key), original.get(key).map(|_| &one));
         }
-        if endpoint == Endpoint::Responses || original.contains_key("max_output_tokens") {
+        if api == Api::Responses || original.contains_key("max_output_tokens") {
             prop_assert_eq!(prefill.get("max_output_tokens"), Some(&one));
         } else {
             prop_assert!(!prefill.contains_key("max_output_tokens"));

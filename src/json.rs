@@ -1,6 +1,9 @@
-//! A single-pass JSON validator that also indexes the members of a top-level object.
+//! JSON as the filter needs it: a single-pass validator that indexes the members of a
+//! top-level object, and splicing of those members by byte ranges, so that fields can be
+//! replaced, removed or added without re-serializing the document (numbers, escapes and key
+//! order survive untouched).
 //!
-//! It does in one pass what `std::str::from_utf8` plus serde_json did in two: every byte is
+//! One pass does what `std::str::from_utf8` plus serde_json did in two: every byte is
 //! checked (grammar, and UTF-8 inside strings, the only place JSON allows non-ASCII), and the
 //! body of a long string, usually the prompt, is skipped eight bytes at a time. Nesting is
 //! tracked on a heap stack, so no input can overflow the call stack.
@@ -36,22 +39,25 @@ impl fmt::Display for JsonError {
 
 /// A member of the top-level object.
 #[derive(Debug)]
-pub struct ScannedMember<'a> {
+pub struct Member<'a> {
     /// The key with JSON escapes resolved.
     pub key: Cow<'a, str>,
     /// Where the value's text lies in the document.
     pub value: Range<usize>,
 }
 
+/// A validated JSON document whose top level is an object, seen as a list of members whose
+/// values are byte ranges of the original text.
 #[derive(Debug)]
-pub struct ScannedObject<'a> {
-    pub open_brace: usize,
-    pub close_brace: usize,
-    pub members: Vec<ScannedMember<'a>>,
+pub struct JsonObject<'a> {
+    text: &'a [u8],
+    open_brace: usize,
+    close_brace: usize,
+    members: Vec<Member<'a>>,
 }
 
 /// Validates `bytes` as a JSON document whose top level is an object and indexes its members.
-pub fn scan_object(bytes: &[u8]) -> Result<ScannedObject<'_>, JsonError> {
+fn scan_object(bytes: &[u8]) -> Result<JsonObject<'_>, JsonError> {
     let mut scanner = Scanner { bytes, pos: 0 };
     scanner.skip_whitespace();
     let open_brace = scanner.pos;
@@ -69,7 +75,7 @@ pub fn scan_object(bytes: &[u8]) -> Result<ScannedObject<'_>, JsonError> {
             scanner.skip_whitespace();
             let start = scanner.pos;
             scanner.value()?;
-            members.push(ScannedMember {
+            members.push(Member {
                 key,
                 value: start..scanner.pos,
             });
@@ -89,11 +95,197 @@ pub fn scan_object(bytes: &[u8]) -> Result<ScannedObject<'_>, JsonError> {
     if scanner.pos != bytes.len() {
         return Err(scanner.error("trailing characters after the object"));
     }
-    Ok(ScannedObject {
+    Ok(JsonObject {
+        text: bytes,
         open_brace,
         close_brace,
         members,
     })
+}
+
+impl<'a> JsonObject<'a> {
+    /// Validates the whole document (grammar, UTF-8) and indexes its top-level members.
+    pub fn parse(text: &'a [u8]) -> Result<Self, JsonError> {
+        scan_object(text)
+    }
+
+    pub fn members(&self) -> &[Member<'a>] {
+        &self.members
+    }
+
+    pub fn has(&self, key: &str) -> bool {
+        self.members.iter().any(|m| m.key == key)
+    }
+
+    /// The value text of the last member named `key` (the one JSON parsers keep).
+    pub fn last_value(&self, key: &str) -> Option<&'a [u8]> {
+        self.members
+            .iter()
+            .rev()
+            .find(|m| m.key == key)
+            .and_then(|m| self.text.get(m.value.clone()))
+    }
+
+    /// Byte offset of the closing brace, where appended members go.
+    pub fn close_brace(&self) -> usize {
+        self.close_brace
+    }
+
+    /// Plans the document with each member edited as `edit` says and `append`ed members
+    /// added before the closing brace. Whitespace and separators of kept members stay as
+    /// they were. A key that `edit` changes (replaces, removes or fills with the slot) ends
+    /// up with at most one member: earlier duplicates are removed and the last one is
+    /// edited, the one JSON parsers keep. So no client can multiply what an edit adds.
+    pub fn splice(
+        &self,
+        mut edit: impl FnMut(&str) -> Edit,
+        append: &[(&'static str, Edit)],
+    ) -> Splice {
+        let edits: Vec<Edit> = self.members.iter().map(|m| edit(&m.key)).collect();
+        let mut superseded = vec![false; self.members.len()];
+        let mut seen: Vec<&str> = Vec::new();
+        for (index, member) in self.members.iter().enumerate().rev() {
+            if matches!(edits.get(index), Some(Edit::Keep) | None) {
+                continue;
+            }
+            if seen.contains(&member.key.as_ref()) {
+                if let Some(flag) = superseded.get_mut(index) {
+                    *flag = true;
+                }
+            } else {
+                seen.push(member.key.as_ref());
+            }
+        }
+
+        let mut splice = Splice::default();
+        let after_open = self.open_brace + 1;
+        splice.original(0..after_open);
+        let mut cursor = after_open;
+        let mut emitted_any = false;
+        for ((member, edit), superseded) in self.members.iter().zip(&edits).zip(&superseded) {
+            let edit = if *superseded { Edit::Remove } else { *edit };
+            if let Edit::Remove = edit {
+                cursor = member.value.end;
+                continue;
+            }
+            let mut lead = cursor..member.value.start;
+            if !emitted_any && cursor != after_open {
+                // Members before this one were removed: its leading comma has nothing
+                // to separate any more.
+                if let Some(comma) = span(self.text, lead.clone())
+                    .iter()
+                    .position(|&b| b == b',')
+                {
+                    lead.start += comma + 1;
+                }
+            }
+            splice.original(lead);
+            match edit {
+                Edit::Replace(bytes) => splice.literal(bytes),
+                Edit::Slot => splice.pieces.push(Piece::Slot),
+                Edit::Keep | Edit::Remove => splice.original(member.value.clone()),
+            }
+            cursor = member.value.end;
+            emitted_any = true;
+        }
+
+        splice.original(cursor..self.close_brace);
+        for (key, value) in append {
+            let value = match value {
+                Edit::Replace(bytes) => Piece::Literal(bytes),
+                Edit::Slot => Piece::Slot,
+                Edit::Keep | Edit::Remove => continue,
+            };
+            if emitted_any {
+                splice.literal(b",");
+            }
+            splice.literal(b"\"");
+            splice.literal(key.as_bytes());
+            splice.literal(b"\":");
+            splice.pieces.push(value);
+            emitted_any = true;
+        }
+        splice.original(self.close_brace..self.text.len());
+        splice
+    }
+}
+
+/// What to do with a member when splicing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Edit {
+    Keep,
+    Replace(&'static [u8]),
+    /// Replace with the value given when the splice is written.
+    Slot,
+    Remove,
+}
+
+/// A planned rewrite of a document: which of its bytes to keep, in which order, with which
+/// literals and where the one runtime value goes. Its length is known before it is written.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Splice {
+    pieces: Vec<Piece>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Piece {
+    Original(Range<usize>),
+    Literal(&'static [u8]),
+    Slot,
+}
+
+impl Splice {
+    fn original(&mut self, range: Range<usize>) {
+        if range.is_empty() {
+            return;
+        }
+        if let Some(Piece::Original(last)) = self.pieces.last_mut() {
+            if last.end == range.start {
+                last.end = range.end;
+                return;
+            }
+        }
+        self.pieces.push(Piece::Original(range));
+    }
+
+    fn literal(&mut self, bytes: &'static [u8]) {
+        self.pieces.push(Piece::Literal(bytes));
+    }
+
+    /// The length of the written document with `slot_len` bytes in the slot.
+    pub fn len(&self, slot_len: usize) -> usize {
+        self.pieces
+            .iter()
+            .map(|piece| match piece {
+                Piece::Original(range) => range.len(),
+                Piece::Literal(bytes) => bytes.len(),
+                Piece::Slot => slot_len,
+            })
+            .sum()
+    }
+
+    /// Whether the document keeps the slot somewhere.
+    pub fn has_slot(&self) -> bool {
+        self.pieces.contains(&Piece::Slot)
+    }
+
+    /// Writes the document from `text`, the one the splice was planned on.
+    pub fn write(&self, text: &[u8], slot: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.len(slot.len()));
+        for piece in &self.pieces {
+            match piece {
+                Piece::Original(range) => out.extend_from_slice(span(text, range.clone())),
+                Piece::Literal(bytes) => out.extend_from_slice(bytes),
+                Piece::Slot => out.extend_from_slice(slot),
+            }
+        }
+        out
+    }
+}
+
+/// The bytes of a range the parser produced (always in bounds).
+fn span(bytes: &[u8], range: Range<usize>) -> &[u8] {
+    bytes.get(range).unwrap_or_default()
 }
 
 struct Scanner<'a> {
@@ -353,13 +545,13 @@ mod tests {
     use super::*;
 
     fn valid(text: &[u8]) -> bool {
-        scan_object(text).is_ok()
+        JsonObject::parse(text).is_ok()
     }
 
     #[test]
     fn accepts_objects_of_every_value_kind() {
         let text = br#" {"a":1,"b":-0.5e+10,"c":"x\"y\u00e9\n","d":[true,false,null,[],{}],"e":{"f":{"g":[1,[2,[3]]]}},"\u0041":0} "#;
-        let object = scan_object(text).unwrap();
+        let object = JsonObject::parse(text).unwrap();
         let keys: Vec<&str> = object.members.iter().map(|m| m.key.as_ref()).collect();
         assert_eq!(keys, ["a", "b", "c", "d", "e", "A"]);
         let value = &object.members[3].value;
@@ -447,5 +639,150 @@ mod tests {
         assert_eq!(err.to_string(), "expected a string key at byte 7");
         let err = scan_object(b"{\"a\":").unwrap_err();
         assert_eq!(err.to_string(), "unexpected end of input at byte 5");
+    }
+
+    // Splicing.
+
+    fn splice_str(
+        text: &str,
+        edit: impl FnMut(&str) -> Edit,
+        append: &[(&'static str, Edit)],
+    ) -> String {
+        let object = JsonObject::parse(text.as_bytes()).unwrap();
+        let splice = object.splice(edit, append);
+        let written = splice.write(text.as_bytes(), b"SLOT");
+        assert_eq!(written.len(), splice.len(4));
+        String::from_utf8(written).unwrap()
+    }
+
+    #[test]
+    fn indexes_members_with_exact_value_text() {
+        let text = r#" { "a" : 1.50 , "b\u0022": {"x": [1,2]}, "c":"\u00e9" } "#;
+        let object = JsonObject::parse(text.as_bytes()).unwrap();
+        let found: Vec<(&str, &str)> = object
+            .members()
+            .iter()
+            .map(|m| (m.key.as_ref(), &text[m.value.clone()]))
+            .collect();
+        assert_eq!(
+            found,
+            vec![
+                ("a", "1.50"),
+                ("b\"", r#"{"x": [1,2]}"#),
+                ("c", r#""\u00e9""#)
+            ]
+        );
+    }
+
+    #[test]
+    fn rejects_what_is_not_an_object() {
+        for text in ["", "[]", "1", "\"s\"", "{", "{}x", "{\"a\":}", "null"] {
+            assert!(JsonObject::parse(text.as_bytes()).is_err(), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn deep_nesting_inside_a_value_does_not_overflow_the_stack() {
+        let deep = format!("{{\"a\":{}{}}}", "[".repeat(50_000), "]".repeat(50_000));
+        let object = JsonObject::parse(deep.as_bytes()).unwrap();
+        assert_eq!(object.members()[0].value.len(), 100_000);
+        let unbalanced = format!("{{\"a\":{}}}", "[".repeat(50_000));
+        assert!(JsonObject::parse(unbalanced.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn keep_everything_is_identity() {
+        let text = "{ \"a\" :1 ,\n \"b\":[ 2 ] }\n";
+        assert_eq!(splice_str(text, |_| Edit::Keep, &[]), text);
+    }
+
+    #[test]
+    fn removes_first_middle_and_last_members() {
+        let text = r#"{"a":1, "b":2, "c":3, "d":4}"#;
+        let drop = |keys: &'static [&'static str]| {
+            move |k: &str| {
+                if keys.contains(&k) {
+                    Edit::Remove
+                } else {
+                    Edit::Keep
+                }
+            }
+        };
+        assert_eq!(
+            splice_str(text, drop(&["a"]), &[]),
+            r#"{ "b":2, "c":3, "d":4}"#
+        );
+        assert_eq!(
+            splice_str(text, drop(&["a", "b"]), &[]),
+            r#"{ "c":3, "d":4}"#
+        );
+        assert_eq!(
+            splice_str(text, drop(&["b", "c"]), &[]),
+            r#"{"a":1, "d":4}"#
+        );
+        assert_eq!(
+            splice_str(text, drop(&["d"]), &[]),
+            r#"{"a":1, "b":2, "c":3}"#
+        );
+        assert_eq!(splice_str(text, drop(&["a", "b", "c", "d"]), &[]), "{}");
+    }
+
+    #[test]
+    fn replaces_and_appends() {
+        let text = r#"{"a":1,"b":"x"}"#;
+        let out = splice_str(
+            text,
+            |k| {
+                if k == "b" {
+                    Edit::Replace(b"false")
+                } else {
+                    Edit::Keep
+                }
+            },
+            &[("c", Edit::Replace(b"1")), ("d", Edit::Replace(b"{}"))],
+        );
+        assert_eq!(out, r#"{"a":1,"b":false,"c":1,"d":{}}"#);
+    }
+
+    #[test]
+    fn appends_into_empty_and_emptied_objects() {
+        assert_eq!(
+            splice_str(" {} ", |_| Edit::Keep, &[("k", Edit::Slot)]),
+            r#" {"k":SLOT} "#
+        );
+        assert_eq!(
+            splice_str(
+                r#"{"x":0}"#,
+                |_| Edit::Remove,
+                &[("k", Edit::Replace(b"1")), ("j", Edit::Replace(b"2"))]
+            ),
+            r#"{"k":1,"j":2}"#
+        );
+    }
+
+    #[test]
+    fn an_edited_key_keeps_only_its_last_member() {
+        let edit = |k: &str| match k {
+            "a" => Edit::Slot,
+            "b" => Edit::Replace(b"0"),
+            _ => Edit::Keep,
+        };
+        assert_eq!(
+            splice_str(r#"{"a":1,"b":5,"a":2,"c":[],"b":6,"c":7}"#, edit, &[]),
+            r#"{"a":SLOT,"c":[],"b":0,"c":7}"#
+        );
+        let many = format!("{{{}\"p\":1}}", "\"a\":0,".repeat(10_000));
+        assert_eq!(splice_str(&many, edit, &[]), r#"{"a":SLOT,"p":1}"#);
+    }
+
+    #[test]
+    fn the_slot_is_filled_when_written() {
+        let object = JsonObject::parse(br#"{"a":1}"#).unwrap();
+        let splice = object.splice(|_| Edit::Slot, &[]);
+        assert!(splice.has_slot());
+        assert_eq!(splice.len(3), 9);
+        assert_eq!(splice.write(br#"{"a":1}"#, b"[0]"), br#"{"a":[0]}"#);
+        let kept = object.splice(|_| Edit::Keep, &[]);
+        assert!(!kept.has_slot());
     }
 }

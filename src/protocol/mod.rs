@@ -1,0 +1,14 @@
+//! The P/D protocol, free of any host calls, by job: which requests are the filter's
+//! ([`paths`]), what prefill and decode receive ([`rewrite`]), what the prefill answer means
+//! ([`prefill_answer`]), which workers a request may go to ([`scheduling`]) and what the
+//! client is answered when something is wrong ([`errors`]).
+
+pub mod errors;
+pub mod paths;
+pub mod prefill_answer;
+pub mod rewrite;
+pub mod scheduling;
+
+pub use errors::ClientError;
+pub use prefill_answer::{read_prefill_answer, FailureKind, PrefillAnswer, PrefillFailure};
+pub use rewrite::{check_content_type, prepare, DecodePlan, PreparedRequest, KV_TRANSFER_PARAMS};

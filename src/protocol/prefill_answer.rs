@@ -1,0 +1,336 @@
+//! What the prefill answer means for the request: `kv_transfer_params` for decode, an answer
+//! without them, or a failure mapped to the status the client gets.
+
+use crate::json::JsonObject;
+
+use super::errors::{default_error_type, ClientError};
+use super::rewrite::KV_TRANSFER_PARAMS;
+
+/// Why a prefill leg failed, as counted in the stats and named in the logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Prefill answered an error status.
+    Status,
+    /// No answer within the prefill timeout.
+    Timeout,
+    /// The connection was reset before or during the answer.
+    Reset,
+    /// Prefill could not be reached, or the callout could not be sent.
+    Unreachable,
+    /// A 2xx answer without usable `kv_transfer_params`.
+    NoKvTransferParams,
+}
+
+impl FailureKind {
+    pub const ALL: [FailureKind; 5] = [
+        FailureKind::Status,
+        FailureKind::Timeout,
+        FailureKind::Reset,
+        FailureKind::Unreachable,
+        FailureKind::NoKvTransferParams,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FailureKind::Status => "status",
+            FailureKind::Timeout => "timeout",
+            FailureKind::Reset => "reset",
+            FailureKind::Unreachable => "unreachable",
+            FailureKind::NoKvTransferParams => "no_kv_transfer_params",
+        }
+    }
+}
+
+/// A failed prefill leg: what kind of failure, and what the client is answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillFailure {
+    pub kind: FailureKind,
+    pub error: ClientError,
+}
+
+impl PrefillFailure {
+    fn new(kind: FailureKind, status: u16, message: String) -> PrefillFailure {
+        PrefillFailure {
+            kind,
+            error: ClientError::new(status, message),
+        }
+    }
+
+    /// The callout could not even be sent (for example, the cluster does not exist).
+    pub fn not_dispatched(cluster: &str) -> PrefillFailure {
+        PrefillFailure::new(
+            FailureKind::Unreachable,
+            503,
+            format!(
+                "prefill request could not be sent to cluster {cluster:?}; is it defined in Envoy?"
+            ),
+        )
+    }
+
+    /// 2xx without usable `kv_transfer_params`, where the operator wants an error for it.
+    pub fn no_kv_transfer_params(reason: &str) -> PrefillFailure {
+        PrefillFailure::new(FailureKind::NoKvTransferParams, 502, reason.to_owned())
+    }
+
+    /// Whether another attempt may succeed: the request never reached a working prefill
+    /// (connection refused or reset, or prefill said it is unavailable). Never a 4xx, never
+    /// a timeout.
+    pub fn is_retryable(&self) -> bool {
+        match self.kind {
+            FailureKind::Unreachable | FailureKind::Reset => true,
+            FailureKind::Status => self.error.status == 503,
+            FailureKind::Timeout | FailureKind::NoKvTransferParams => false,
+        }
+    }
+
+    /// Whether the request itself was refused (a 4xx): decode would refuse it too.
+    pub fn is_client_error(&self) -> bool {
+        (400..500).contains(&self.error.status)
+    }
+}
+
+/// What the prefill answer means for the request.
+#[derive(Debug, PartialEq, Eq)]
+pub enum PrefillAnswer<'a> {
+    /// Forward these `kv_transfer_params` (raw JSON object text) to decode.
+    KvTransferParams(&'a [u8]),
+    /// A 2xx answer without usable `kv_transfer_params`; the reason is logged.
+    NoKvTransferParams(String),
+    Failed(PrefillFailure),
+}
+
+/// Reads the prefill answer. `status` is `None` when the callout ended without response
+/// headers (the connection was reset after the answer had started).
+pub fn read_prefill_answer(status: Option<u16>, body: &[u8]) -> PrefillAnswer<'_> {
+    let fail = |kind, status, message: String| {
+        PrefillAnswer::Failed(PrefillFailure::new(kind, status, message))
+    };
+    let Some(status) = status else {
+        return fail(
+            FailureKind::Reset,
+            502,
+            "prefill connection was reset before its answer was complete".to_owned(),
+        );
+    };
+    match status {
+        200..=299 => match find_kv_transfer_params(body) {
+            Ok(kv) => PrefillAnswer::KvTransferParams(kv),
+            Err(reason) => PrefillAnswer::NoKvTransferParams(reason),
+        },
+        400..=499 => {
+            let (error_type, message) = upstream_error(body);
+            PrefillAnswer::Failed(PrefillFailure {
+                kind: FailureKind::Status,
+                error: ClientError {
+                    status,
+                    error_type: error_type.unwrap_or_else(|| default_error_type(status).to_owned()),
+                    message: format!("prefill rejected the request ({status}): {message}"),
+                },
+            })
+        }
+        503 => {
+            let message = upstream_error(body).1;
+            fail(
+                envoy_503_kind(&message),
+                503,
+                format!("prefill is unavailable (503): {message}"),
+            )
+        }
+        504 => fail(
+            FailureKind::Timeout,
+            504,
+            format!("prefill timed out (504): {}", upstream_error(body).1),
+        ),
+        _ => fail(
+            FailureKind::Status,
+            502,
+            format!("prefill failed ({status}): {}", upstream_error(body).1),
+        ),
+    }
+}
+
+/// Envoy answers a callout it could not complete with its own 503 and a text body; a 503
+/// from prefill itself is an error status.
+fn envoy_503_kind(message: &str) -> FailureKind {
+    if message.contains("no healthy upstream") || message.contains("connection failure") {
+        FailureKind::Unreachable
+    } else if message.starts_with("upstream connect error or disconnect/reset") {
+        FailureKind::Reset
+    } else {
+        FailureKind::Status
+    }
+}
+
+fn find_kv_transfer_params(body: &[u8]) -> Result<&[u8], String> {
+    let object =
+        JsonObject::parse(body).map_err(|e| format!("prefill answer is not a JSON object: {e}"))?;
+    match object.last_value(KV_TRANSFER_PARAMS) {
+        None => Err("prefill answer has no kv_transfer_params".to_owned()),
+        Some(b"null") => Err("prefill answer has kv_transfer_params null".to_owned()),
+        Some(value) if value.starts_with(b"{") => Ok(value),
+        Some(_) => Err("kv_transfer_params in the prefill answer is not an object".to_owned()),
+    }
+}
+
+const MAX_QUOTED_UPSTREAM_TEXT: usize = 512;
+
+/// The `error.type` and `error.message` of an upstream error body, or its text.
+fn upstream_error(body: &[u8]) -> (Option<String>, String) {
+    #[derive(serde::Deserialize)]
+    struct Envelope {
+        error: Detail,
+    }
+    #[derive(serde::Deserialize)]
+    struct Detail {
+        message: Option<String>,
+        #[serde(rename = "type")]
+        error_type: Option<String>,
+    }
+    if let Ok(Envelope { error }) = serde_json::from_slice::<Envelope>(body) {
+        if let Some(message) = error.message {
+            return (error.error_type, truncated(&message).to_owned());
+        }
+    }
+    let text = String::from_utf8_lossy(body);
+    let text = text.trim();
+    if text.is_empty() {
+        return (None, "no details in the answer".to_owned());
+    }
+    (None, truncated(text).to_owned())
+}
+
+fn truncated(text: &str) -> &str {
+    let mut end = text.len().min(MAX_QUOTED_UPSTREAM_TEXT);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.get(..end).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure(status: Option<u16>, body: &[u8]) -> PrefillFailure {
+        match read_prefill_answer(status, body) {
+            PrefillAnswer::Failed(failure) => failure,
+            other => panic!("not a failure: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn prefill_kv_transfer_params_are_taken_verbatim() {
+        let body = br#"{"id":"x","kv_transfer_params":{"remote_block_ids":[1, 2],"remote_port":5600, "x":1e400}}"#;
+        assert_eq!(
+            read_prefill_answer(Some(200), body),
+            PrefillAnswer::KvTransferParams(
+                br#"{"remote_block_ids":[1, 2],"remote_port":5600, "x":1e400}"#
+            )
+        );
+    }
+
+    #[test]
+    fn prefill_without_usable_kv_is_told_apart() {
+        for body in [
+            &br#"{"id":"x"}"#[..],
+            br#"{"kv_transfer_params":null}"#,
+            br#"{"kv_transfer_params":"s"}"#,
+            b"not json",
+            b"",
+        ] {
+            assert!(matches!(
+                read_prefill_answer(Some(200), body),
+                PrefillAnswer::NoKvTransferParams(_)
+            ));
+        }
+        let failure = PrefillFailure::no_kv_transfer_params("none");
+        assert_eq!(failure.kind, FailureKind::NoKvTransferParams);
+        assert_eq!(failure.error.status, 502);
+        assert!(!failure.is_retryable());
+    }
+
+    #[test]
+    fn prefill_client_errors_pass_on_status_and_message() {
+        let body = br#"{"error":{"message":"min_tokens must be less than or equal to max_tokens=1, got 200.","type":"BadRequestError","param":null,"code":400}}"#;
+        let failure = failure(Some(400), body);
+        assert_eq!(failure.kind, FailureKind::Status);
+        let err = failure.error;
+        assert_eq!(err.status, 400);
+        assert_eq!(err.error_type, "BadRequestError");
+        assert_eq!(
+            err.message,
+            "prefill rejected the request (400): min_tokens must be less than or equal to max_tokens=1, got 200."
+        );
+    }
+
+    #[test]
+    fn prefill_server_failures_map_to_gateway_statuses() {
+        use FailureKind::*;
+        let refused = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure, transport failure reason: delayed connect error: Connection refused";
+        let terminated = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+        type Case<'a> = (Option<u16>, &'a [u8], u16, FailureKind, &'a str);
+        let cases: &[Case] = &[
+            (None, b"", 502, Reset, "reset"),
+            (
+                Some(500),
+                br#"{"error":{"message":"boom"}}"#,
+                502,
+                Status,
+                "prefill failed (500): boom",
+            ),
+            (
+                Some(503),
+                br#"{"error":{"message":"overloaded"}}"#,
+                503,
+                Status,
+                "prefill is unavailable (503): overloaded",
+            ),
+            (Some(503), refused, 503, Unreachable, "Connection refused"),
+            (
+                Some(503),
+                b"no healthy upstream",
+                503,
+                Unreachable,
+                "no healthy upstream",
+            ),
+            (Some(503), terminated, 503, Reset, "connection termination"),
+            (
+                Some(504),
+                b"upstream request timeout",
+                504,
+                Timeout,
+                "prefill timed out (504): upstream request timeout",
+            ),
+            (Some(302), b"", 502, Status, "no details"),
+        ];
+        for (status, body, expected, kind, text) in cases {
+            let failure = failure(*status, body);
+            assert_eq!(failure.error.status, *expected);
+            assert_eq!(failure.kind, *kind, "{}", failure.error.message);
+            assert!(
+                failure.error.message.contains(text),
+                "{}",
+                failure.error.message
+            );
+        }
+    }
+
+    #[test]
+    fn retries_only_where_prefill_never_started_the_work() {
+        assert!(failure(Some(503), b"no healthy upstream").is_retryable());
+        assert!(failure(Some(503), br#"{"error":{"message":"busy"}}"#).is_retryable());
+        assert!(failure(None, b"").is_retryable());
+        assert!(!failure(Some(504), b"upstream request timeout").is_retryable());
+        assert!(!failure(Some(500), b"").is_retryable());
+        assert!(!failure(Some(429), b"").is_retryable());
+        assert!(failure(Some(429), b"").is_client_error());
+    }
+
+    #[test]
+    fn long_upstream_text_is_truncated_on_a_char_boundary() {
+        let body = "é".repeat(1000);
+        assert!(failure(Some(500), body.as_bytes()).error.message.len() < 600);
+        let json = format!(r#"{{"error":{{"message":"{}"}}}}"#, "é".repeat(1000));
+        assert!(failure(Some(400), json.as_bytes()).error.message.len() < 600);
+    }
+}

@@ -1,0 +1,419 @@
+//! What prefill and decode receive: the client's body checked once, then rewritten for
+//! prefill (one token, not streamed, asking for remote decode) and planned for decode (the
+//! client's bytes with prefill's `kv_transfer_params`, sized before it is written).
+
+use crate::api::Api;
+use crate::json::{Edit, JsonErrorKind, JsonObject, Splice};
+
+use super::errors::ClientError;
+
+pub const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
+
+/// What the prefill request asks of vLLM's NIXL connector: keep the KV for a remote decode.
+pub const REMOTE_DECODE_REQUEST: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+
+/// A byte order mark, which RFC 8259 lets a parser ignore and vLLM accepts.
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// Checks the request's content-type: JSON, or absent (curl without `-H`).
+pub fn check_content_type(content_type: Option<&str>) -> Result<(), ClientError> {
+    let Some(value) = content_type else {
+        return Ok(());
+    };
+    let essence = value.split(';').next().unwrap_or("").trim();
+    let is_json = essence.eq_ignore_ascii_case("application/json")
+        || (essence.len() > 5
+            && essence
+                .get(essence.len() - 5..)
+                .is_some_and(|tail| tail.eq_ignore_ascii_case("+json")));
+    if is_json {
+        Ok(())
+    } else {
+        Err(ClientError::unsupported_media_type(value))
+    }
+}
+
+/// A client request that passed validation: the body for prefill, and the plan for decode's
+/// body (the original is kept by the caller).
+#[derive(Debug)]
+pub struct PreparedRequest {
+    pub prefill_body: Vec<u8>,
+    pub decode: DecodePlan,
+    /// The body's `model`, when it is a string.
+    pub model: Option<String>,
+}
+
+/// How decode's body is written from the client's, found during the one parse.
+#[derive(Debug)]
+pub struct DecodePlan {
+    /// Where the JSON text starts in the client's body (after a byte order mark).
+    json_start: usize,
+    /// The client's members, with exactly one `kv_transfer_params`: the slot.
+    with_kv: Splice,
+    /// The client's members without any `kv_transfer_params`; `None` when the client sent
+    /// none, so that its body can go to decode untouched.
+    without_kv: Option<Splice>,
+}
+
+impl DecodePlan {
+    /// The length of decode's body with `kv_transfer_params` of `kv_len` bytes.
+    pub fn len_with_kv(&self, kv_len: usize) -> usize {
+        self.with_kv.len(kv_len)
+    }
+
+    /// Decode's body: the client's bytes with `kv_transfer_params` set to prefill's.
+    pub fn body_with_kv(&self, original: &[u8], kv_transfer_params: &[u8]) -> Vec<u8> {
+        self.with_kv
+            .write(json_text(original, self.json_start), kv_transfer_params)
+    }
+
+    /// Decode's body when it recomputes the prompt: the client's bytes without any
+    /// `kv_transfer_params`, or `None` when the client's body has none and goes as it is.
+    pub fn body_without_kv(&self, original: &[u8]) -> Option<Vec<u8>> {
+        let splice = self.without_kv.as_ref()?;
+        Some(splice.write(json_text(original, self.json_start), b""))
+    }
+}
+
+fn json_text(body: &[u8], start: usize) -> &[u8] {
+    body.get(start..).unwrap_or_default()
+}
+
+/// Validates the client body and writes the prefill request for it.
+pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
+    if body.is_empty() {
+        return Err(ClientError::bad_request("request body is empty"));
+    }
+    let json_start = if body.starts_with(UTF8_BOM) {
+        UTF8_BOM.len()
+    } else {
+        0
+    };
+    let object = JsonObject::parse(json_text(body, json_start)).map_err(|e| {
+        let what = match e.kind {
+            JsonErrorKind::InvalidUtf8 => "is not valid UTF-8",
+            JsonErrorKind::Syntax(_) => "is not a JSON object",
+        };
+        ClientError::bad_request(format!("request body {what}: {e}"))
+    })?;
+    let prefill_body = prefill_splice(api, &object).write(json_text(body, json_start), b"");
+
+    let has_client_kv = object.has(KV_TRANSFER_PARAMS);
+    let kv_edit = |edit: Edit| {
+        move |key: &str| {
+            if key == KV_TRANSFER_PARAMS {
+                edit
+            } else {
+                Edit::Keep
+            }
+        }
+    };
+    let append_kv: &[(&str, Edit)] = if has_client_kv {
+        &[]
+    } else {
+        &[(KV_TRANSFER_PARAMS, Edit::Slot)]
+    };
+    let decode = DecodePlan {
+        json_start,
+        with_kv: object.splice(kv_edit(Edit::Slot), append_kv),
+        without_kv: has_client_kv.then(|| object.splice(kv_edit(Edit::Remove), &[])),
+    };
+    let model = object
+        .last_value("model")
+        .filter(|value| value.starts_with(b"\""))
+        .and_then(|value| serde_json::from_slice::<String>(value).ok());
+    Ok(PreparedRequest {
+        prefill_body,
+        decode,
+        model,
+    })
+}
+
+/// A request for a generation API the filter does not orchestrate, without any client
+/// `kv_transfer_params`; `None` when there is nothing to remove (or it is not a JSON object,
+/// which the backend refuses on its own).
+pub fn strip_kv_transfer_params(body: &[u8]) -> Option<Vec<u8>> {
+    let json_start = if body.starts_with(UTF8_BOM) {
+        UTF8_BOM.len()
+    } else {
+        0
+    };
+    let text = json_text(body, json_start);
+    let object = JsonObject::parse(text).ok()?;
+    if !object.has(KV_TRANSFER_PARAMS) {
+        return None;
+    }
+    let splice = object.splice(
+        |key| {
+            if key == KV_TRANSFER_PARAMS {
+                Edit::Remove
+            } else {
+                Edit::Keep
+            }
+        },
+        &[],
+    );
+    Some(splice.write(text, b""))
+}
+
+/// The client's body capped to one generated token, not streamed, asking for remote decode.
+/// Each field that is edited appears once, however often the client repeated it.
+fn prefill_splice(api: Api, object: &JsonObject) -> Splice {
+    const ONE: &[u8] = b"1";
+    let edit = |key: &str| match key {
+        "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n" => Edit::Replace(ONE),
+        "stream" => Edit::Replace(b"false"),
+        // A background response answers at once, before prefill has run.
+        "background" if api == Api::Responses => Edit::Replace(b"false"),
+        KV_TRANSFER_PARAMS => Edit::Replace(REMOTE_DECODE_REQUEST),
+        "min_tokens" | "min_completion_tokens" | "stream_options" => Edit::Remove,
+        _ => Edit::Keep,
+    };
+    let mut append: Vec<(&'static str, Edit)> = Vec::with_capacity(4);
+    if !object.has("max_tokens") {
+        append.push(("max_tokens", Edit::Replace(ONE)));
+    }
+    if api == Api::Responses && !object.has("max_output_tokens") {
+        append.push(("max_output_tokens", Edit::Replace(ONE)));
+    }
+    if !object.has("stream") {
+        append.push(("stream", Edit::Replace(b"false")));
+    }
+    if !object.has(KV_TRANSFER_PARAMS) {
+        append.push((KV_TRANSFER_PARAMS, Edit::Replace(REMOTE_DECODE_REQUEST)));
+    }
+    object.splice(edit, &append)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn prefill_json(api: Api, body: &str) -> Value {
+        let prepared = prepare(api, body.as_bytes()).unwrap();
+        serde_json::from_slice(&prepared.prefill_body).unwrap()
+    }
+
+    fn remote_decode() -> Value {
+        serde_json::from_slice(REMOTE_DECODE_REQUEST).unwrap()
+    }
+
+    fn decode_with(original: &[u8], kv: &[u8]) -> Vec<u8> {
+        let prepared = prepare(Api::Completions, original).unwrap();
+        let body = prepared.decode.body_with_kv(original, kv);
+        assert_eq!(body.len(), prepared.decode.len_with_kv(kv.len()));
+        body
+    }
+
+    fn count(haystack: &[u8], needle: &str) -> usize {
+        haystack
+            .windows(needle.len())
+            .filter(|w| *w == needle.as_bytes())
+            .count()
+    }
+
+    #[test]
+    fn completions_prefill_is_capped_unstreamed_and_asks_for_remote_decode() {
+        let body = r#"{"model":"m","prompt":"hi","max_tokens":200,"min_tokens":50,"stream":true,"stream_options":{"include_usage":true},"n":3,"temperature":0.7}"#;
+        assert_eq!(
+            prefill_json(Api::Completions, body),
+            json!({"model":"m","prompt":"hi","max_tokens":1,"stream":false,"n":1,
+                   "temperature":0.7,"kv_transfer_params":remote_decode()})
+        );
+    }
+
+    #[test]
+    fn min_tokens_without_max_tokens_is_removed_and_max_tokens_added() {
+        let body = r#"{"prompt":"hi","min_tokens":200,"min_completion_tokens":3}"#;
+        assert_eq!(
+            prefill_json(Api::Completions, body),
+            json!({"prompt":"hi","max_tokens":1,"stream":false,"kv_transfer_params":remote_decode()})
+        );
+    }
+
+    #[test]
+    fn chat_caps_both_limits_where_present() {
+        let body = r#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":300,"max_tokens":100}"#;
+        let prefill = prefill_json(Api::ChatCompletions, body);
+        assert_eq!(prefill["max_completion_tokens"], 1);
+        assert_eq!(prefill["max_tokens"], 1);
+        let only_completion = prefill_json(
+            Api::ChatCompletions,
+            r#"{"messages":[],"max_completion_tokens":300}"#,
+        );
+        assert_eq!(only_completion["max_completion_tokens"], 1);
+        assert_eq!(only_completion["max_tokens"], 1);
+    }
+
+    #[test]
+    fn responses_are_capped_with_max_output_tokens_even_when_absent() {
+        let absent = prefill_json(Api::Responses, r#"{"input":"hi","max_tokens":9}"#);
+        assert_eq!(absent["max_output_tokens"], 1);
+        let present = prefill_json(
+            Api::Responses,
+            r#"{"input":"hi","max_output_tokens":900,"background":true}"#,
+        );
+        assert_eq!(present["max_output_tokens"], 1);
+        assert_eq!(present["background"], false);
+        let not_responses = prefill_json(Api::Completions, r#"{"prompt":"hi"}"#);
+        assert!(not_responses.get("max_output_tokens").is_none());
+    }
+
+    #[test]
+    fn client_kv_transfer_params_are_replaced_on_prefill() {
+        let prefill = prefill_json(
+            Api::Completions,
+            r#"{"prompt":"x","kv_transfer_params":"junk","kv_transfer_params":{"a":1}}"#,
+        );
+        assert_eq!(prefill["kv_transfer_params"], remote_decode());
+    }
+
+    #[test]
+    fn duplicate_limit_keys_become_one_capped_member() {
+        let prepared = prepare(
+            Api::Completions,
+            br#"{"max_tokens":5,"prompt":"x","max_tokens":7}"#,
+        )
+        .unwrap();
+        let text = String::from_utf8(prepared.prefill_body).unwrap();
+        assert!(
+            text.starts_with(r#"{"prompt":"x","max_tokens":1,"#),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn repeated_members_cannot_grow_either_leg() {
+        for member in [r#""kv_transfer_params":0,"#, r#""stream":0,"#, r#""n":2,"#] {
+            let body = format!("{{{}\"prompt\":\"x\"}}", member.repeat(5_000));
+            let prepared = prepare(Api::ChatCompletions, body.as_bytes()).unwrap();
+            let prefill = &prepared.prefill_body;
+            assert!(
+                prefill.len() < body.len() + 256,
+                "{member}: {}",
+                prefill.len()
+            );
+            assert_eq!(count(prefill, "\"kv_transfer_params\""), 1);
+            let kv = br#"{"remote_block_ids":[1,2,3]}"#;
+            let decode = prepared.decode.body_with_kv(body.as_bytes(), kv);
+            assert!(decode.len() <= body.len() + kv.len() + 32);
+            assert_eq!(count(&decode, "\"kv_transfer_params\""), 1);
+            serde_json::from_slice::<Value>(&decode).unwrap();
+        }
+    }
+
+    #[test]
+    fn escaped_keys_are_recognised() {
+        let prefill = prefill_json(Api::Completions, r#"{"prompt":"x","max\u005ftokens":50}"#);
+        assert_eq!(prefill["max_tokens"], 1);
+    }
+
+    #[test]
+    fn decode_body_keeps_every_other_byte() {
+        let original = "{\"prompt\": \"caf\\u00e9 \u{1F600}\",\n \"max_tokens\": 123456789012345678901234567890, \"temperature\": 1.50e0, \"stream\": true }";
+        let decode = decode_with(original.as_bytes(), br#"{"k":1}"#);
+        let expected = format!(
+            "{},\"kv_transfer_params\":{{\"k\":1}}}}",
+            &original[..original.len() - 1]
+        );
+        assert_eq!(String::from_utf8(decode).unwrap(), expected);
+    }
+
+    #[test]
+    fn decode_body_replaces_client_kv_transfer_params_in_place() {
+        let decode = decode_with(br#"{"kv_transfer_params": 7, "prompt":"x"}"#, br#"{"k":1}"#);
+        assert_eq!(decode, br#"{"kv_transfer_params": {"k":1}, "prompt":"x"}"#);
+        let decode = decode_with(
+            br#"{"kv_transfer_params": 7, "prompt":"x", "kv_transfer_params":{"remote_host":"6.6.6.6"}}"#,
+            br#"{"k":1}"#,
+        );
+        assert_eq!(decode, br#"{ "prompt":"x", "kv_transfer_params":{"k":1}}"#);
+    }
+
+    #[test]
+    fn decode_body_of_an_empty_object() {
+        assert_eq!(decode_with(b"{}", b"{}"), br#"{"kv_transfer_params":{}}"#);
+    }
+
+    #[test]
+    fn decode_without_kv_drops_every_client_kv_transfer_params() {
+        let original = br#"{"kv_transfer_params":{"remote_host":"6.6.6.6"},"prompt":"x","kv_transfer_params":1}"#;
+        let prepared = prepare(Api::Completions, original).unwrap();
+        assert_eq!(
+            prepared.decode.body_without_kv(original).unwrap(),
+            br#"{"prompt":"x"}"#
+        );
+        let clean = br#"{"prompt":"x"}"#;
+        let prepared = prepare(Api::Completions, clean).unwrap();
+        assert_eq!(prepared.decode.body_without_kv(clean), None);
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_accepted_and_not_forwarded_when_rewritten() {
+        let original = b"\xEF\xBB\xBF{\"prompt\":\"x\",\"max_tokens\":9}";
+        let prepared = prepare(Api::Completions, original).unwrap();
+        let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+        assert_eq!(prefill["max_tokens"], 1);
+        let decode = prepared.decode.body_with_kv(original, b"{}");
+        assert_eq!(
+            decode,
+            br#"{"prompt":"x","max_tokens":9,"kv_transfer_params":{}}"#
+        );
+        assert_eq!(prepared.decode.len_with_kv(2), decode.len());
+    }
+
+    #[test]
+    fn stripping_removes_every_client_kv_transfer_params() {
+        assert_eq!(
+            strip_kv_transfer_params(
+                br#"{"kv_transfer_params":{"a":1},"x":1,"kv_transfer_params":2}"#
+            )
+            .unwrap(),
+            br#"{"x":1}"#
+        );
+        assert_eq!(strip_kv_transfer_params(br#"{"x":1}"#), None);
+        assert_eq!(strip_kv_transfer_params(b"not json"), None);
+    }
+
+    #[test]
+    fn bad_bodies_are_400_with_a_reason() {
+        let cases: &[(&[u8], &str)] = &[
+            (b"", "empty"),
+            (b"not json", "not a JSON object"),
+            (b"[1,2]", "not a JSON object"),
+            (b"\"text\"", "not a JSON object"),
+            (b"{\"prompt\":\"\xff\"}", "not valid UTF-8"),
+            (b"{\"a\":1} {}", "not a JSON object"),
+            (b"\xEF\xBB\xBF", "not a JSON object"),
+            (b"\xEF\xBB{}", "not a JSON object"),
+        ];
+        for (body, reason) in cases {
+            let err = prepare(Api::Completions, body).unwrap_err();
+            assert_eq!(err.status, 400);
+            assert!(err.message.contains(reason), "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn content_type_must_be_json_when_given() {
+        assert!(check_content_type(None).is_ok());
+        assert!(check_content_type(Some("application/json")).is_ok());
+        assert!(check_content_type(Some("Application/JSON; charset=utf-8")).is_ok());
+        assert!(check_content_type(Some("application/vnd.api+json")).is_ok());
+        let err = check_content_type(Some("application/x-www-form-urlencoded")).unwrap_err();
+        assert_eq!(err.status, 415);
+    }
+
+    #[test]
+    fn the_model_is_read_from_the_body() {
+        let model = |body: &str| prepare(Api::Completions, body.as_bytes()).unwrap().model;
+        assert_eq!(
+            model(r#"{"model":"llama","prompt":"x"}"#).as_deref(),
+            Some("llama")
+        );
+        assert_eq!(model(r#"{"model":"a\u002fb"}"#).as_deref(), Some("a/b"));
+        assert_eq!(model(r#"{"model":7}"#), None);
+        assert_eq!(model(r#"{"prompt":"x"}"#), None);
+    }
+}

@@ -1,0 +1,726 @@
+//! One request's life in the filter, free of any host calls: events in (request headers,
+//! body, trailers, prefill answer, response headers, client gone), steps out (continue,
+//! pause, call prefill, replace the body and resume, answer the client). Every decision the
+//! filter makes lives here; the proxy-wasm adapter only carries events in and commands out.
+
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::time::{Duration, SystemTime};
+
+use crate::api::Api;
+use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy};
+use crate::protocol::paths::PathVerdict;
+use crate::protocol::rewrite::strip_kv_transfer_params;
+use crate::protocol::scheduling::{
+    check_model_for_header, parse_prefill_hosts, with_reachable_remote_host,
+};
+use crate::protocol::{
+    check_content_type, prepare, read_prefill_answer, ClientError, DecodePlan, FailureKind,
+    PrefillAnswer, PrefillFailure,
+};
+use crate::request_id::new_request_id;
+
+/// Header an ORIGINAL_DST cluster (`use_http_header: true`) reads the destination from.
+pub const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
+
+/// Whether the host goes on with the request after a callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Pause,
+}
+
+/// What the host is asked to do, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Command {
+    /// Sets a request header (only while the request headers are held or being read).
+    SetRequestHeader {
+        name: String,
+        value: String,
+    },
+    RemoveRequestHeader(String),
+    /// Makes Envoy pick the route again, with the headers as they are now.
+    ClearRouteCache,
+    /// Sends the prefill call; the host reports back with [`Session::on_prefill_dispatched`].
+    DispatchPrefill(PrefillCall),
+    /// Replaces the buffered request body, `replaced_len` bytes long. The new body always
+    /// fits in the configured limit.
+    ReplaceRequestBody {
+        body: Vec<u8>,
+        replaced_len: usize,
+    },
+    /// Lets a paused request go on to decode.
+    ResumeRequest,
+    /// Answers the client; the request goes no further.
+    SendReply(LocalReply),
+    AddResponseHeader {
+        name: String,
+        value: String,
+    },
+    Record(Metric),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillCall {
+    pub cluster: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalReply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+/// What the stats count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    Orchestrated(Api),
+    PassedThrough,
+    PrefillFailure(FailureKind),
+    DecodeOnlyFallback,
+    BadRequest,
+    PrefillLatency(Duration),
+}
+
+/// The answer to a request callback.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    pub flow: Flow,
+    pub commands: Vec<Command>,
+}
+
+impl Step {
+    fn new(flow: Flow, commands: Vec<Command>) -> Step {
+        Step { flow, commands }
+    }
+}
+
+/// The answer to a body or trailers callback: the session may need the whole body first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BodyStep {
+    /// The body is complete: read all of it and hand it to [`Session::on_request_complete`].
+    ReadBody,
+    Step(Step),
+}
+
+/// A host call that failed, reported back to the session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostFailure {
+    ReadRequestBody,
+    ReplaceRequestBody,
+}
+
+/// One request.
+pub struct Session {
+    config: Option<Rc<Config>>,
+    request_id: String,
+    state: State,
+}
+
+enum State {
+    /// Before the request headers.
+    Started,
+    /// Not the filter's, or handed on: nothing more to do.
+    PassThrough,
+    /// An orchestrated request whose body is still arriving.
+    Buffering(Pending),
+    /// A generation request that is not orchestrated, whose body is still arriving: its
+    /// `kv_transfer_params` are removed before it goes on.
+    StrippingKv,
+    /// A prefill call was handed to the host, which has not said whether it went out.
+    Dispatching(Prefill),
+    AwaitingPrefill {
+        prefill: Prefill,
+        token: u32,
+    },
+    /// Resumed to decode.
+    Decoding {
+        prefill_time: Option<Duration>,
+    },
+    /// The filter answered the client.
+    Answered,
+    /// The client is gone.
+    Finished,
+}
+
+/// What request headers told about an orchestrated request.
+struct Pending {
+    api: Api,
+    prefill_headers: Vec<(String, String)>,
+    scheduled_hosts: Vec<SocketAddr>,
+}
+
+/// The prefill leg of one request, across its attempts.
+struct Prefill {
+    api: Api,
+    original: Vec<u8>,
+    decode: DecodePlan,
+    cluster: String,
+    prefill_headers: Vec<(String, String)>,
+    scheduled_hosts: Vec<SocketAddr>,
+    /// Number of the attempt in flight, from 0.
+    attempt: u32,
+    started: SystemTime,
+}
+
+impl Prefill {
+    /// The scheduler-chosen host an attempt goes to, if any: the list is tried in turn.
+    fn host(&self) -> Option<SocketAddr> {
+        let count = self.scheduled_hosts.len();
+        if count == 0 {
+            return None;
+        }
+        self.scheduled_hosts
+            .get(self.attempt as usize % count)
+            .copied()
+    }
+
+    fn elapsed(&self, now: SystemTime) -> Duration {
+        now.duration_since(self.started).unwrap_or_default()
+    }
+
+    fn call(&self, body: Vec<u8>, timeout: Duration) -> PrefillCall {
+        let mut headers = self.prefill_headers.clone();
+        if let Some(host) = self.host() {
+            headers.push((ORIGINAL_DST_HEADER.to_owned(), host.to_string()));
+        }
+        PrefillCall {
+            cluster: self.cluster.clone(),
+            headers,
+            body,
+            timeout,
+        }
+    }
+}
+
+/// Looks a header up in the list the host gave; values that are not UTF-8 count as absent.
+fn header<'h>(headers: &'h [(String, Vec<u8>)], name: &str) -> Option<&'h str> {
+    headers
+        .iter()
+        .find(|(key, _)| key == name)
+        .and_then(|(_, value)| std::str::from_utf8(value).ok())
+}
+
+impl Session {
+    pub fn new(config: Option<Rc<Config>>) -> Session {
+        Session {
+            config,
+            request_id: String::new(),
+            state: State::Started,
+        }
+    }
+
+    pub fn request_id(&self) -> &str {
+        &self.request_id
+    }
+
+    pub fn on_request_headers(
+        &mut self,
+        headers: &[(String, Vec<u8>)],
+        end_of_stream: bool,
+    ) -> Step {
+        let Some(config) = self.config.clone() else {
+            let reply = self.reply(&ClientError::internal(
+                "pd-filter has no valid configuration",
+            ));
+            return Step::new(Flow::Pause, vec![reply]);
+        };
+        let mut commands = Vec::new();
+        // Routing headers only ever come from the filter or the operator's scheduler.
+        if let Some(name) = &config.model_header {
+            if headers.iter().any(|(key, _)| key == name.as_str()) {
+                commands.push(Command::RemoveRequestHeader(name.clone()));
+                commands.push(Command::ClearRouteCache);
+            }
+        }
+        let path = headers
+            .iter()
+            .find(|(key, _)| key == ":path")
+            .map(|(_, value)| String::from_utf8_lossy(value).into_owned())
+            .unwrap_or_default();
+        let is_post = header(headers, ":method") == Some("POST");
+        let api = match config.classify_path(&path) {
+            PathVerdict::Orchestrate(api) if is_post => api,
+            PathVerdict::StripKvTransferParams if is_post && !end_of_stream => {
+                self.state = State::StrippingKv;
+                commands.push(Command::RemoveRequestHeader("content-length".to_owned()));
+                commands.push(Command::Record(Metric::PassedThrough));
+                return Step::new(Flow::Continue, commands);
+            }
+            PathVerdict::Refuse(error) => {
+                self.take_request_id(headers, &mut commands);
+                commands.extend(self.reject(&error));
+                return Step::new(Flow::Pause, commands);
+            }
+            _ => {
+                self.state = State::PassThrough;
+                commands.push(Command::Record(Metric::PassedThrough));
+                return Step::new(Flow::Continue, commands);
+            }
+        };
+
+        self.take_request_id(headers, &mut commands);
+        if let Err(error) = check_content_type(header(headers, "content-type")) {
+            commands.extend(self.reject(&error));
+            return Step::new(Flow::Pause, commands);
+        }
+        if end_of_stream {
+            commands.extend(self.reject(&ClientError::bad_request("request body is empty")));
+            return Step::new(Flow::Pause, commands);
+        }
+        let declared_length =
+            header(headers, "content-length").and_then(|v| v.trim().parse::<usize>().ok());
+        if declared_length.is_some_and(|length| length > config.max_request_body_bytes) {
+            commands.extend(self.reject(&ClientError::payload_too_large(
+                config.max_request_body_bytes,
+            )));
+            return Step::new(Flow::Pause, commands);
+        }
+        let mut scheduled_hosts = Vec::new();
+        if config.prefill_host_cluster.is_some() {
+            if let Some(value) = header(headers, &config.prefill_host_header) {
+                // The scheduler's choice is for the prefill leg only.
+                commands.push(Command::RemoveRequestHeader(
+                    config.prefill_host_header.clone(),
+                ));
+                match parse_prefill_hosts(
+                    &config.prefill_host_header,
+                    value,
+                    &config.prefill_hosts_allowed,
+                ) {
+                    Ok(hosts) => scheduled_hosts = hosts,
+                    Err(error) => {
+                        commands.extend(self.reject(&error));
+                        return Step::new(Flow::Pause, commands);
+                    }
+                }
+            }
+        }
+        // The decode body differs from the client's: let Envoy frame it.
+        commands.push(Command::RemoveRequestHeader("content-length".to_owned()));
+
+        let authority = header(headers, ":authority").unwrap_or(&config.prefill_cluster);
+        let mut prefill_headers = vec![
+            (":method".to_owned(), "POST".to_owned()),
+            (":path".to_owned(), path),
+            (":authority".to_owned(), authority.to_owned()),
+            ("content-type".to_owned(), "application/json".to_owned()),
+            ("x-request-id".to_owned(), self.request_id.clone()),
+        ];
+        for name in &config.forward_headers {
+            if let Some(value) = header(headers, name) {
+                prefill_headers.push((name.clone(), value.to_owned()));
+            }
+        }
+        self.state = State::Buffering(Pending {
+            api,
+            prefill_headers,
+            scheduled_hosts,
+        });
+        // With a model header, hold the headers until the model is known, so that Envoy
+        // picks the route with it. Needs `allow_on_headers_stop_iteration: true`, or Envoy
+        // holds the body too.
+        let flow = if config.model_header.is_some() {
+            Flow::Pause
+        } else {
+            Flow::Continue
+        };
+        Step::new(flow, commands)
+    }
+
+    /// `buffered` is the size of the body received so far.
+    pub fn on_request_body(&mut self, buffered: usize, end_of_stream: bool) -> BodyStep {
+        match &self.state {
+            State::Buffering(_) | State::StrippingKv => {
+                if self.config_limit().is_some_and(|limit| buffered > limit) {
+                    return BodyStep::Step(Step::new(Flow::Pause, self.reject_too_large()));
+                }
+                if end_of_stream {
+                    BodyStep::ReadBody
+                } else {
+                    BodyStep::Step(Step::new(Flow::Pause, Vec::new()))
+                }
+            }
+            _ => BodyStep::Step(self.hold_or_continue()),
+        }
+    }
+
+    /// Trailers end the request: whatever body arrived is all there is.
+    pub fn on_request_trailers(&mut self) -> BodyStep {
+        match &self.state {
+            State::Buffering(_) | State::StrippingKv => BodyStep::ReadBody,
+            _ => BodyStep::Step(self.hold_or_continue()),
+        }
+    }
+
+    /// The whole request body, once it is complete.
+    pub fn on_request_complete(&mut self, body: Vec<u8>, now: SystemTime) -> Step {
+        let Some(config) = self.config.clone() else {
+            return self.hold_or_continue();
+        };
+        if body.len() > config.max_request_body_bytes {
+            return Step::new(Flow::Pause, self.reject_too_large());
+        }
+        match std::mem::replace(&mut self.state, State::PassThrough) {
+            State::Buffering(pending) => self.start_prefill(&config, pending, body, now),
+            State::StrippingKv => {
+                let commands = strip_kv_transfer_params(&body)
+                    .map(|stripped| Command::ReplaceRequestBody {
+                        body: stripped,
+                        replaced_len: body.len(),
+                    })
+                    .into_iter()
+                    .collect();
+                Step::new(Flow::Continue, commands)
+            }
+            other => {
+                self.state = other;
+                self.hold_or_continue()
+            }
+        }
+    }
+
+    fn start_prefill(
+        &mut self,
+        config: &Config,
+        pending: Pending,
+        body: Vec<u8>,
+        now: SystemTime,
+    ) -> Step {
+        let prepared = match prepare(pending.api, &body) {
+            Ok(prepared) => prepared,
+            Err(error) => return Step::new(Flow::Pause, self.reject(&error)),
+        };
+        let mut commands = Vec::new();
+        if let Some(name) = &config.model_header {
+            if let Some(model) = &prepared.model {
+                if let Err(error) = check_model_for_header(model) {
+                    return Step::new(Flow::Pause, self.reject(&error));
+                }
+                commands.push(Command::SetRequestHeader {
+                    name: name.clone(),
+                    value: model.clone(),
+                });
+                commands.push(Command::ClearRouteCache);
+            }
+        }
+        commands.push(Command::Record(Metric::Orchestrated(pending.api)));
+        let cluster = match &config.prefill_host_cluster {
+            Some(cluster) if !pending.scheduled_hosts.is_empty() => cluster.clone(),
+            _ => config
+                .prefill_cluster_for(prepared.model.as_deref())
+                .to_owned(),
+        };
+        let prefill = Prefill {
+            api: pending.api,
+            original: body,
+            decode: prepared.decode,
+            cluster,
+            prefill_headers: pending.prefill_headers,
+            scheduled_hosts: pending.scheduled_hosts,
+            attempt: 0,
+            started: now,
+        };
+        commands.push(Command::DispatchPrefill(
+            prefill.call(prepared.prefill_body, config.prefill_timeout),
+        ));
+        self.state = State::Dispatching(prefill);
+        Step::new(Flow::Pause, commands)
+    }
+
+    /// Whether the last [`Command::DispatchPrefill`] went out, with its token.
+    pub fn on_prefill_dispatched(&mut self, token: Option<u32>, now: SystemTime) -> Vec<Command> {
+        let prefill = match std::mem::replace(&mut self.state, State::PassThrough) {
+            State::Dispatching(prefill) => prefill,
+            other => {
+                self.state = other;
+                return Vec::new();
+            }
+        };
+        match token {
+            Some(token) => {
+                self.state = State::AwaitingPrefill { prefill, token };
+                Vec::new()
+            }
+            None => {
+                log::debug!(
+                    "[{}] prefill call to {:?} could not be dispatched",
+                    self.request_id,
+                    prefill.cluster
+                );
+                // Not retried: the cluster is missing, another attempt would fail the same way.
+                let failure = PrefillFailure::not_dispatched(&prefill.cluster);
+                self.give_up(prefill, &failure, now)
+            }
+        }
+    }
+
+    /// The answer to a prefill call: `status` is `None` when it has no headers (a reset).
+    pub fn on_prefill_answer(
+        &mut self,
+        token: u32,
+        status: Option<u16>,
+        body: &[u8],
+        now: SystemTime,
+    ) -> Vec<Command> {
+        let prefill = match std::mem::replace(&mut self.state, State::PassThrough) {
+            State::AwaitingPrefill { prefill, token: t } if t == token => prefill,
+            other => {
+                self.state = other;
+                return Vec::new();
+            }
+        };
+        let Some(config) = self.config.clone() else {
+            return Vec::new();
+        };
+        match read_prefill_answer(status, body) {
+            PrefillAnswer::KvTransferParams(kv) => {
+                let mut commands = vec![self.prefill_time(&prefill, now)];
+                let reached = prefill.host().filter(|_| config.replace_local_remote_host);
+                let with_host = reached.and_then(|host| with_reachable_remote_host(kv, host.ip()));
+                let kv = with_host.as_deref().unwrap_or(kv);
+                if prefill.decode.len_with_kv(kv.len()) > config.max_request_body_bytes {
+                    // Envoy would refuse to buffer a larger body, answering on its own
+                    // while the filter is still in this callback.
+                    commands.extend(self.reject(&ClientError::decode_body_too_large(
+                        config.max_request_body_bytes,
+                    )));
+                    return commands;
+                }
+                log::debug!(
+                    "[{}] prefill answered in {:?}; resuming to decode",
+                    self.request_id,
+                    prefill.elapsed(now)
+                );
+                let decode_body = prefill.decode.body_with_kv(&prefill.original, kv);
+                commands.push(Command::ReplaceRequestBody {
+                    body: decode_body,
+                    replaced_len: prefill.original.len(),
+                });
+                commands.push(Command::ResumeRequest);
+                self.state = State::Decoding {
+                    prefill_time: Some(prefill.elapsed(now)),
+                };
+                commands
+            }
+            PrefillAnswer::NoKvTransferParams(reason) => {
+                let mut commands = vec![self.prefill_time(&prefill, now)];
+                commands.extend(match config.on_missing_kv_transfer_params {
+                    MissingKvPolicy::DecodeOnly => {
+                        self.decode_only(prefill, FailureKind::NoKvTransferParams, &reason, now)
+                    }
+                    MissingKvPolicy::Fail => {
+                        self.fail(&PrefillFailure::no_kv_transfer_params(&reason))
+                    }
+                });
+                commands
+            }
+            PrefillAnswer::Failed(failure) => self.prefill_failed(prefill, failure, now),
+        }
+    }
+
+    /// A failed attempt: retried while retries and time are left, then the policy decides.
+    fn prefill_failed(
+        &mut self,
+        mut prefill: Prefill,
+        failure: PrefillFailure,
+        now: SystemTime,
+    ) -> Vec<Command> {
+        let Some(config) = self.config.clone() else {
+            return Vec::new();
+        };
+        let budget_left = config
+            .prefill_timeout
+            .checked_sub(prefill.elapsed(now))
+            .filter(|left| !left.is_zero());
+        if let Some(budget_left) = budget_left
+            .filter(|_| failure.is_retryable() && prefill.attempt < config.prefill_retries)
+        {
+            // The prefill body is rebuilt rather than kept: retries are rare, memory is not.
+            if let Ok(prepared) = prepare(prefill.api, &prefill.original) {
+                prefill.attempt += 1;
+                log::info!(
+                    "[{}] prefill attempt {} failed ({}): {}; retrying",
+                    self.request_id,
+                    prefill.attempt,
+                    failure.kind.name(),
+                    failure.error.message
+                );
+                let call = prefill.call(prepared.prefill_body, budget_left);
+                self.state = State::Dispatching(prefill);
+                return vec![Command::DispatchPrefill(call)];
+            }
+        }
+        self.give_up(prefill, &failure, now)
+    }
+
+    /// No more attempts: the client gets the error, or decode recomputes if so configured.
+    fn give_up(
+        &mut self,
+        prefill: Prefill,
+        failure: &PrefillFailure,
+        now: SystemTime,
+    ) -> Vec<Command> {
+        let Some(config) = self.config.clone() else {
+            return Vec::new();
+        };
+        let mut commands = vec![self.prefill_time(&prefill, now)];
+        let decode_only = config.on_prefill_failure == PrefillFailurePolicy::DecodeOnly
+            && !failure.is_client_error();
+        commands.extend(if decode_only {
+            self.decode_only(prefill, failure.kind, &failure.error.message, now)
+        } else {
+            self.fail(failure)
+        });
+        commands
+    }
+
+    fn prefill_time(&self, prefill: &Prefill, now: SystemTime) -> Command {
+        Command::Record(Metric::PrefillLatency(prefill.elapsed(now)))
+    }
+
+    /// Sends the client's body to decode without any `kv_transfer_params`: decode
+    /// recomputes the prompt.
+    fn decode_only(
+        &mut self,
+        prefill: Prefill,
+        kind: FailureKind,
+        reason: &str,
+        now: SystemTime,
+    ) -> Vec<Command> {
+        log::warn!(
+            "[{}] prefill failure ({}): {reason}; decode will recompute the prompt",
+            self.request_id,
+            kind.name()
+        );
+        let mut commands = vec![
+            Command::Record(Metric::PrefillFailure(kind)),
+            Command::Record(Metric::DecodeOnlyFallback),
+        ];
+        if let Some(body) = prefill.decode.body_without_kv(&prefill.original) {
+            commands.push(Command::ReplaceRequestBody {
+                body,
+                replaced_len: prefill.original.len(),
+            });
+        }
+        commands.push(Command::ResumeRequest);
+        self.state = State::Decoding {
+            prefill_time: Some(prefill.elapsed(now)),
+        };
+        commands
+    }
+
+    fn fail(&mut self, failure: &PrefillFailure) -> Vec<Command> {
+        log::warn!(
+            "[{}] prefill failure ({}): answering {}: {}",
+            self.request_id,
+            failure.kind.name(),
+            failure.error.status,
+            failure.error.message
+        );
+        vec![
+            Command::Record(Metric::PrefillFailure(failure.kind)),
+            self.reply(&failure.error),
+        ]
+    }
+
+    pub fn on_response_headers(&mut self) -> Vec<Command> {
+        let header = self
+            .config
+            .as_ref()
+            .and_then(|config| config.prefill_time_header.clone());
+        match (&self.state, header) {
+            (
+                State::Decoding {
+                    prefill_time: Some(elapsed),
+                },
+                Some(name),
+            ) => vec![Command::AddResponseHeader {
+                name,
+                value: elapsed.as_millis().to_string(),
+            }],
+            _ => Vec::new(),
+        }
+    }
+
+    /// A host call failed; the request cannot go on as planned.
+    pub fn on_host_failure(&mut self, failure: HostFailure) -> Vec<Command> {
+        let message = match failure {
+            HostFailure::ReadRequestBody => "pd-filter could not read the request body",
+            HostFailure::ReplaceRequestBody => "pd-filter could not write the decode request body",
+        };
+        log::error!("[{}] {message}", self.request_id);
+        vec![self.reply(&ClientError::internal(message))]
+    }
+
+    /// The client went away (or the stream ended): an answer still to come is not used.
+    pub fn on_client_gone(&mut self) {
+        self.state = State::Finished;
+    }
+
+    fn hold_or_continue(&self) -> Step {
+        match self.state {
+            State::PassThrough | State::Decoding { .. } | State::Started => {
+                Step::new(Flow::Continue, Vec::new())
+            }
+            _ => Step::new(Flow::Pause, Vec::new()),
+        }
+    }
+
+    fn config_limit(&self) -> Option<usize> {
+        self.config
+            .as_ref()
+            .map(|config| config.max_request_body_bytes)
+    }
+
+    fn reject_too_large(&mut self) -> Vec<Command> {
+        let limit = self.config_limit().unwrap_or_default();
+        self.reject(&ClientError::payload_too_large(limit))
+    }
+
+    /// The request id both legs carry: the client's (or Envoy's), else a new one.
+    fn take_request_id(&mut self, headers: &[(String, Vec<u8>)], commands: &mut Vec<Command>) {
+        self.request_id = match header(headers, "x-request-id").filter(|id| !id.is_empty()) {
+            Some(id) => id.to_owned(),
+            None => {
+                let id = new_request_id();
+                commands.push(Command::SetRequestHeader {
+                    name: "x-request-id".to_owned(),
+                    value: id.clone(),
+                });
+                id
+            }
+        };
+    }
+
+    /// Answers a request the filter will not orchestrate because of its own content.
+    fn reject(&mut self, error: &ClientError) -> Vec<Command> {
+        log::debug!(
+            "[{}] rejected with {}: {}",
+            self.request_id,
+            error.status,
+            error.message
+        );
+        vec![Command::Record(Metric::BadRequest), self.reply(error)]
+    }
+
+    fn reply(&mut self, error: &ClientError) -> Command {
+        self.state = State::Answered;
+        let mut headers = vec![("content-type".to_owned(), "application/json".to_owned())];
+        if !self.request_id.is_empty() {
+            headers.push(("x-request-id".to_owned(), self.request_id.clone()));
+        }
+        Command::SendReply(LocalReply {
+            status: error.status,
+            headers,
+            body: error.to_json(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,593 @@
+//! The state machine, event by event: every policy the filter applies, without a host.
+
+use super::*;
+use serde_json::Value;
+
+const T0: Duration = Duration::from_secs(1_000);
+const KV: &str = r#"{"remote_engine_id":"e","remote_block_ids":[1],"remote_host":"127.0.0.1","remote_port":5600}"#;
+
+fn at(offset_ms: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + T0 + Duration::from_millis(offset_ms)
+}
+
+fn session(config: &str) -> Session {
+    let config = Config::from_json(config.as_bytes()).unwrap();
+    Session::new(Some(Rc::new(config)))
+}
+
+fn headers(method: &str, path: &str, extra: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
+    let mut list = vec![
+        (":method".to_owned(), method.as_bytes().to_vec()),
+        (":path".to_owned(), path.as_bytes().to_vec()),
+        (":authority".to_owned(), b"gateway".to_vec()),
+        ("x-request-id".to_owned(), b"req-1".to_vec()),
+        ("content-type".to_owned(), b"application/json".to_vec()),
+    ];
+    for (name, value) in extra {
+        list.retain(|(existing, _)| existing != name);
+        list.push((name.to_string(), value.as_bytes().to_vec()));
+    }
+    list
+}
+
+fn post(path: &str) -> Vec<(String, Vec<u8>)> {
+    headers("POST", path, &[])
+}
+
+/// Headers, then the whole body in one chunk: the commands of the body step.
+fn send(session: &mut Session, headers: &[(String, Vec<u8>)], body: &str) -> Step {
+    let step = session.on_request_headers(headers, false);
+    assert!(!has_reply(&step.commands), "{:?}", step.commands);
+    assert_eq!(
+        session.on_request_body(body.len(), true),
+        BodyStep::ReadBody
+    );
+    session.on_request_complete(body.as_bytes().to_vec(), at(0))
+}
+
+fn has_reply(commands: &[Command]) -> bool {
+    commands.iter().any(|c| matches!(c, Command::SendReply(_)))
+}
+
+fn reply(commands: &[Command]) -> (u16, Value) {
+    commands
+        .iter()
+        .find_map(|c| match c {
+            Command::SendReply(reply) => {
+                Some((reply.status, serde_json::from_slice(&reply.body).unwrap()))
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no reply in {commands:?}"))
+}
+
+fn dispatched(commands: &[Command]) -> &PrefillCall {
+    commands
+        .iter()
+        .find_map(|c| match c {
+            Command::DispatchPrefill(call) => Some(call),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no prefill call in {commands:?}"))
+}
+
+fn call_header<'a>(call: &'a PrefillCall, name: &str) -> Option<&'a str> {
+    call.headers
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+fn replaced_body(commands: &[Command]) -> Option<Value> {
+    commands.iter().find_map(|c| match c {
+        Command::ReplaceRequestBody { body, .. } => Some(serde_json::from_slice(body).unwrap()),
+        _ => None,
+    })
+}
+
+fn metrics(commands: &[Command]) -> Vec<Metric> {
+    commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Record(Metric::PrefillLatency(_)) => None,
+            Command::Record(metric) => Some(*metric),
+            _ => None,
+        })
+        .collect()
+}
+
+fn prefill_ok() -> String {
+    format!(r#"{{"id":"p","kv_transfer_params":{KV}}}"#)
+}
+
+const CHAT: &str = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"min_tokens":5,"stream":true}"#;
+
+#[test]
+fn an_orchestrated_request_goes_through_prefill_then_decode() {
+    let mut session = session(r#"{"prefill_time_header":"x-pd-prefill-ms"}"#);
+    let step = session.on_request_headers(&post("/v1/chat/completions"), false);
+    assert_eq!(step.flow, Flow::Continue);
+    assert_eq!(
+        step.commands,
+        vec![Command::RemoveRequestHeader("content-length".into())]
+    );
+    assert_eq!(
+        session.on_request_body(10, false),
+        BodyStep::Step(Step::new(Flow::Pause, vec![]))
+    );
+    assert_eq!(
+        session.on_request_body(CHAT.len(), true),
+        BodyStep::ReadBody
+    );
+
+    let step = session.on_request_complete(CHAT.as_bytes().to_vec(), at(0));
+    assert_eq!(step.flow, Flow::Pause);
+    assert_eq!(
+        metrics(&step.commands),
+        vec![Metric::Orchestrated(Api::ChatCompletions)]
+    );
+    let call = dispatched(&step.commands);
+    assert_eq!(call.cluster, "prefill");
+    assert_eq!(call.timeout, Duration::from_secs(120));
+    assert_eq!(call_header(call, ":path"), Some("/v1/chat/completions"));
+    assert_eq!(call_header(call, ":authority"), Some("gateway"));
+    assert_eq!(call_header(call, "x-request-id"), Some("req-1"));
+    let prefill: Value = serde_json::from_slice(&call.body).unwrap();
+    assert_eq!(prefill["max_tokens"], 1);
+    assert_eq!(prefill["stream"], false);
+    assert!(prefill.get("min_tokens").is_none());
+    assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
+
+    assert!(session.on_prefill_dispatched(Some(7), at(1)).is_empty());
+    let commands = session.on_prefill_answer(7, Some(200), prefill_ok().as_bytes(), at(40));
+    let decode = replaced_body(&commands).unwrap();
+    let expected: Value = serde_json::from_str(KV).unwrap();
+    assert_eq!(decode["kv_transfer_params"], expected);
+    assert_eq!(decode["max_tokens"], 50);
+    assert_eq!(decode["min_tokens"], 5);
+    assert_eq!(decode["stream"], true);
+    assert_eq!(commands.last(), Some(&Command::ResumeRequest));
+    assert!(commands.contains(&Command::Record(Metric::PrefillLatency(
+        Duration::from_millis(40)
+    ))));
+
+    assert_eq!(
+        session.on_response_headers(),
+        vec![Command::AddResponseHeader {
+            name: "x-pd-prefill-ms".into(),
+            value: "40".into()
+        }]
+    );
+}
+
+#[test]
+fn other_requests_pass_through_untouched() {
+    for (method, path) in [
+        ("GET", "/v1/models"),
+        ("GET", "/v1/completions"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/v1/completions/"),
+    ] {
+        let mut session = session("");
+        let step = session.on_request_headers(&headers(method, path, &[]), false);
+        assert_eq!(step.flow, Flow::Continue, "{method} {path}");
+        assert_eq!(step.commands, vec![Command::Record(Metric::PassedThrough)]);
+        assert_eq!(
+            session.on_request_body(10, true),
+            BodyStep::Step(Step::new(Flow::Continue, vec![]))
+        );
+        assert_eq!(
+            session.on_request_trailers(),
+            BodyStep::Step(Step::new(Flow::Continue, vec![]))
+        );
+    }
+}
+
+#[test]
+fn spellings_a_backend_would_decode_are_refused() {
+    for path in ["/v1/%63ompletions", "/v1%2Fcompletions", "//v1/completions"] {
+        for method in ["POST", "GET"] {
+            let mut session = session("");
+            let step = session.on_request_headers(&headers(method, path, &[]), false);
+            assert_eq!(step.flow, Flow::Pause);
+            let (status, body) = reply(&step.commands);
+            assert_eq!(status, 400, "{path}");
+            assert_eq!(body["error"]["type"], "BadRequestError");
+            assert_eq!(metrics(&step.commands), vec![Metric::BadRequest]);
+        }
+    }
+}
+
+#[test]
+fn bad_requests_are_answered_before_prefill() {
+    let mut s = session(r#"{"max_request_body_bytes":100}"#);
+    let step = s.on_request_headers(
+        &headers("POST", "/v1/completions", &[("content-type", "text/plain")]),
+        false,
+    );
+    assert_eq!(reply(&step.commands).0, 415);
+
+    let mut s = session("");
+    let step = s.on_request_headers(&post("/v1/completions"), true);
+    assert_eq!(reply(&step.commands).0, 400);
+
+    let mut s = session(r#"{"max_request_body_bytes":100}"#);
+    let step = s.on_request_headers(
+        &headers("POST", "/v1/completions", &[("content-length", "101")]),
+        false,
+    );
+    assert_eq!(reply(&step.commands).0, 413);
+
+    let mut s = session(r#"{"max_request_body_bytes":100}"#);
+    s.on_request_headers(&post("/v1/completions"), false);
+    match s.on_request_body(101, false) {
+        BodyStep::Step(step) => assert_eq!(reply(&step.commands).0, 413),
+        other => panic!("{other:?}"),
+    }
+    // Nothing more happens to an answered request.
+    assert_eq!(
+        s.on_request_body(200, true),
+        BodyStep::Step(Step::new(Flow::Pause, vec![]))
+    );
+
+    let mut s = session("");
+    let step = send(&mut s, &post("/v1/completions"), "[1]");
+    assert_eq!(reply(&step.commands).0, 400);
+    assert!(!step
+        .commands
+        .iter()
+        .any(|c| matches!(c, Command::DispatchPrefill(_))));
+}
+
+#[test]
+fn trailers_end_the_body_and_prefill_still_runs() {
+    let mut s = session("");
+    s.on_request_headers(&post("/v1/completions"), false);
+    assert_eq!(
+        s.on_request_body(5, false),
+        BodyStep::Step(Step::new(Flow::Pause, vec![]))
+    );
+    assert_eq!(s.on_request_trailers(), BodyStep::ReadBody);
+    let step = s.on_request_complete(
+        br#"{"prompt":"x","kv_transfer_params":{"remote_host":"6.6.6.6"}}"#.to_vec(),
+        at(0),
+    );
+    let prefill: Value = serde_json::from_slice(&dispatched(&step.commands).body).unwrap();
+    assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
+
+    let mut s = session("");
+    s.on_request_headers(&post("/v1/completions"), false);
+    assert_eq!(s.on_request_trailers(), BodyStep::ReadBody);
+    let step = s.on_request_complete(Vec::new(), at(0));
+    assert_eq!(reply(&step.commands).0, 400);
+}
+
+#[test]
+fn a_decode_body_that_would_not_fit_is_413_and_never_written() {
+    let limit = 200;
+    let mut s = session(&format!(r#"{{"max_request_body_bytes":{limit}}}"#));
+    let body = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(limit - 20));
+    let step = send(&mut s, &post("/v1/completions"), &body);
+    dispatched(&step.commands);
+    s.on_prefill_dispatched(Some(1), at(0));
+    let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert_eq!(reply(&commands).0, 413);
+    assert!(replaced_body(&commands).is_none());
+    assert!(!commands.contains(&Command::ResumeRequest));
+}
+
+#[test]
+fn retries_go_to_the_next_scheduled_host_within_the_time_budget() {
+    let config = r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8"],"prefill_retries":3,"prefill_timeout_ms":1000}"#;
+    let mut s = session(config);
+    let hosts = [("x-prefiller-host-port", "10.0.0.1:8000,10.0.0.2:8000")];
+    let step = send(
+        &mut s,
+        &headers("POST", "/v1/completions", &hosts),
+        r#"{"prompt":"x"}"#,
+    );
+    let call = dispatched(&step.commands);
+    assert_eq!(call.cluster, "dst");
+    assert_eq!(
+        call_header(call, ORIGINAL_DST_HEADER),
+        Some("10.0.0.1:8000")
+    );
+    assert_eq!(call.timeout, Duration::from_millis(1000));
+
+    let mut seen = vec![];
+    let mut now = 0;
+    for token in 1..=3 {
+        s.on_prefill_dispatched(Some(token), at(now));
+        now += 100;
+        let commands = s.on_prefill_answer(token, Some(503), b"no healthy upstream", at(now));
+        let call = dispatched(&commands);
+        seen.push(call_header(call, ORIGINAL_DST_HEADER).unwrap().to_owned());
+        assert_eq!(call.timeout, Duration::from_millis(1000 - now));
+        assert!(
+            metrics(&commands).is_empty(),
+            "a retry is not a failure yet"
+        );
+    }
+    assert_eq!(seen, ["10.0.0.2:8000", "10.0.0.1:8000", "10.0.0.2:8000"]);
+    s.on_prefill_dispatched(Some(4), at(now));
+    let commands = s.on_prefill_answer(4, Some(503), b"no healthy upstream", at(now + 1));
+    assert_eq!(reply(&commands).0, 503);
+    assert_eq!(
+        metrics(&commands),
+        vec![Metric::PrefillFailure(FailureKind::Unreachable)]
+    );
+}
+
+#[test]
+fn no_retry_once_the_budget_is_spent_or_for_what_prefill_worked_on() {
+    let mut s = session(r#"{"prefill_retries":5,"prefill_timeout_ms":1000}"#);
+    send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+    s.on_prefill_dispatched(Some(1), at(0));
+    let commands = s.on_prefill_answer(1, None, b"", at(1000));
+    assert_eq!(reply(&commands).0, 502);
+
+    for (status, body, expected) in [
+        (504, &b"upstream request timeout"[..], 504),
+        (500, &b"{}"[..], 502),
+        (
+            400,
+            &br#"{"error":{"message":"bad","type":"BadRequestError"}}"#[..],
+            400,
+        ),
+    ] {
+        let mut s = session(r#"{"prefill_retries":5}"#);
+        send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+        s.on_prefill_dispatched(Some(1), at(0));
+        let commands = s.on_prefill_answer(1, Some(status), body, at(10));
+        assert_eq!(reply(&commands).0, expected);
+    }
+}
+
+#[test]
+fn a_call_that_cannot_be_sent_is_503_without_retry() {
+    let mut s = session(r#"{"prefill_retries":3}"#);
+    send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+    let commands = s.on_prefill_dispatched(None, at(0));
+    let (status, body) = reply(&commands);
+    assert_eq!(status, 503);
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("\"prefill\""));
+}
+
+#[test]
+fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
+    let body =
+        r#"{"prompt":"x","kv_transfer_params":{"remote_host":"6.6.6.6","do_remote_prefill":true}}"#;
+    // A 2xx without kv_transfer_params, under the default policy.
+    let mut s = session("");
+    send(&mut s, &post("/v1/completions"), body);
+    s.on_prefill_dispatched(Some(1), at(0));
+    let commands = s.on_prefill_answer(1, Some(200), br#"{"id":"p"}"#, at(3));
+    assert_eq!(
+        replaced_body(&commands).unwrap(),
+        serde_json::json!({"prompt":"x"})
+    );
+    assert_eq!(commands.last(), Some(&Command::ResumeRequest));
+    assert_eq!(
+        metrics(&commands),
+        vec![
+            Metric::PrefillFailure(FailureKind::NoKvTransferParams),
+            Metric::DecodeOnlyFallback
+        ]
+    );
+
+    // Prefill unreachable, with on_prefill_failure decode_only.
+    let mut s = session(r#"{"on_prefill_failure":"decode_only","prefill_retries":0}"#);
+    send(&mut s, &post("/v1/completions"), body);
+    s.on_prefill_dispatched(Some(1), at(0));
+    let commands = s.on_prefill_answer(1, Some(503), b"no healthy upstream", at(3));
+    assert_eq!(
+        replaced_body(&commands).unwrap(),
+        serde_json::json!({"prompt":"x"})
+    );
+    assert!(commands.contains(&Command::Record(Metric::DecodeOnlyFallback)));
+
+    // Without client kv_transfer_params the body goes as it is.
+    let mut s = session("");
+    send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+    s.on_prefill_dispatched(Some(1), at(0));
+    let commands = s.on_prefill_answer(1, Some(200), b"{}", at(3));
+    assert!(replaced_body(&commands).is_none());
+    assert_eq!(commands.last(), Some(&Command::ResumeRequest));
+
+    // A client error is the client's, whatever the policy; `fail` answers 502.
+    for (config, status, answer, expected) in [
+        (
+            r#"{"on_prefill_failure":"decode_only"}"#,
+            422,
+            &b"{}"[..],
+            422,
+        ),
+        (
+            r#"{"on_missing_kv_transfer_params":"fail"}"#,
+            200,
+            &b"{}"[..],
+            502,
+        ),
+    ] {
+        let mut s = session(config);
+        send(&mut s, &post("/v1/completions"), body);
+        s.on_prefill_dispatched(Some(1), at(0));
+        let commands = s.on_prefill_answer(1, Some(status), answer, at(3));
+        assert_eq!(reply(&commands).0, expected);
+    }
+}
+
+#[test]
+fn answers_for_other_calls_or_gone_clients_change_nothing() {
+    let mut s = session("");
+    send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+    s.on_prefill_dispatched(Some(5), at(0));
+    assert!(s
+        .on_prefill_answer(4, Some(200), prefill_ok().as_bytes(), at(1))
+        .is_empty());
+    s.on_client_gone();
+    assert!(s
+        .on_prefill_answer(5, Some(200), prefill_ok().as_bytes(), at(2))
+        .is_empty());
+    assert!(s.on_prefill_dispatched(Some(6), at(3)).is_empty());
+}
+
+#[test]
+fn the_model_picks_the_prefill_pool_and_the_decode_route() {
+    let config =
+        r#"{"model_prefill_clusters":{"model-b":"prefill_b"},"model_header":"x-pd-model"}"#;
+    let mut s = session(config);
+    let spoofed = headers("POST", "/v1/completions", &[("x-pd-model", "model-b")]);
+    let step = s.on_request_headers(&spoofed, false);
+    assert_eq!(
+        step.flow,
+        Flow::Pause,
+        "headers are held until the model is known"
+    );
+    assert!(step
+        .commands
+        .contains(&Command::RemoveRequestHeader("x-pd-model".into())));
+    s.on_request_body(10, true);
+    let step = s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
+    assert_eq!(dispatched(&step.commands).cluster, "prefill");
+    assert!(!step
+        .commands
+        .iter()
+        .any(|c| matches!(c, Command::SetRequestHeader { .. })));
+
+    let mut s = session(config);
+    let step = send(
+        &mut s,
+        &post("/v1/completions"),
+        r#"{"model":"model-b","prompt":"x"}"#,
+    );
+    assert_eq!(dispatched(&step.commands).cluster, "prefill_b");
+    assert!(step.commands.contains(&Command::SetRequestHeader {
+        name: "x-pd-model".into(),
+        value: "model-b".into()
+    }));
+    assert!(step.commands.contains(&Command::ClearRouteCache));
+
+    for model in ["a\r\nb", "a\u{0}b", "a\u{7f}b", " model-b"] {
+        let mut s = session(config);
+        let body = serde_json::json!({"model": model, "prompt": "x"}).to_string();
+        let step = send(&mut s, &post("/v1/completions"), &body);
+        assert_eq!(reply(&step.commands).0, 400, "{model:?}");
+        assert!(!step
+            .commands
+            .iter()
+            .any(|c| matches!(c, Command::DispatchPrefill(_))));
+    }
+}
+
+#[test]
+fn scheduled_hosts_must_be_allowed_and_never_reach_decode() {
+    let config = r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["127.0.0.2/32"]}"#;
+    let mut s = session(config);
+    let admin = headers(
+        "POST",
+        "/v1/completions",
+        &[("x-prefiller-host-port", "127.0.0.1:9901")],
+    );
+    let step = s.on_request_headers(&admin, false);
+    let (status, body) = reply(&step.commands);
+    assert_eq!(status, 400);
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("x-prefiller-host-port"));
+
+    let mut s = session(config);
+    let allowed = headers(
+        "POST",
+        "/v1/completions",
+        &[("x-prefiller-host-port", "127.0.0.2:8000")],
+    );
+    let step = s.on_request_headers(&allowed, false);
+    assert!(step.commands.contains(&Command::RemoveRequestHeader(
+        "x-prefiller-host-port".into()
+    )));
+
+    // Without a scheduler cluster the header means nothing and the default pool is used.
+    let mut s = session("");
+    let step = send(&mut s, &admin, r#"{"prompt":"x"}"#);
+    let call = dispatched(&step.commands);
+    assert_eq!(call.cluster, "prefill");
+    assert_eq!(call_header(call, ORIGINAL_DST_HEADER), None);
+}
+
+#[test]
+fn the_reached_host_replaces_a_loopback_remote_host() {
+    let config = r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8"],"replace_local_remote_host":true}"#;
+    let mut s = session(config);
+    let hosts = headers(
+        "POST",
+        "/v1/completions",
+        &[("x-prefiller-host-port", "10.0.0.9:8000")],
+    );
+    send(&mut s, &hosts, r#"{"prompt":"x"}"#);
+    s.on_prefill_dispatched(Some(1), at(0));
+    let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(1));
+    assert_eq!(
+        replaced_body(&commands).unwrap()["kv_transfer_params"]["remote_host"],
+        "10.0.0.9"
+    );
+}
+
+#[test]
+fn other_generation_apis_lose_client_kv_transfer_params() {
+    let mut s = session("");
+    let step = s.on_request_headers(&post("/v1/messages"), false);
+    assert_eq!(step.flow, Flow::Continue);
+    assert_eq!(s.on_request_body(10, true), BodyStep::ReadBody);
+    let body = br#"{"model":"m","kv_transfer_params":{"remote_host":"6.6.6.6"}}"#.to_vec();
+    let step = s.on_request_complete(body, at(0));
+    assert_eq!(step.flow, Flow::Continue);
+    assert_eq!(
+        replaced_body(&step.commands).unwrap(),
+        serde_json::json!({"model":"m"})
+    );
+
+    let mut s = session("");
+    s.on_request_headers(&post("/v1/messages"), false);
+    let step = s.on_request_complete(br#"{"model":"m"}"#.to_vec(), at(0));
+    assert_eq!(step, Step::new(Flow::Continue, vec![]));
+}
+
+#[test]
+fn a_request_id_is_made_when_the_client_has_none() {
+    let mut s = session("");
+    let list: Vec<(String, Vec<u8>)> = post("/v1/completions")
+        .into_iter()
+        .filter(|(name, _)| name != "x-request-id")
+        .collect();
+    let step = s.on_request_headers(&list, false);
+    let id = step
+        .commands
+        .iter()
+        .find_map(|c| match c {
+            Command::SetRequestHeader { name, value } if name == "x-request-id" => Some(value),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(s.request_id(), id);
+    assert_eq!(id.len(), 36);
+}
+
+#[test]
+fn without_configuration_every_request_is_500() {
+    let mut s = Session::new(None);
+    let step = s.on_request_headers(&post("/v1/completions"), false);
+    assert_eq!(reply(&step.commands).0, 500);
+}
+
+#[test]
+fn host_failures_become_500() {
+    let mut s = session("");
+    send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+    let commands = s.on_host_failure(HostFailure::ReplaceRequestBody);
+    assert_eq!(reply(&commands).0, 500);
+}
