@@ -100,7 +100,7 @@ async fn a_failed_scheduled_host_is_retried_on_the_next_one() {
     let h = harness();
     let id = unique_id("scheduled-retry");
     let hosts = format!(
-        "127.0.0.1:{},127.0.0.2:{}",
+        "127.0.0.2:{},127.0.0.2:{}",
         h.closed_port,
         h.prefill_b.port()
     );

@@ -65,7 +65,7 @@ pub const LISTENERS: &[Listener] = &[
     },
     Listener {
         name: "scheduled",
-        plugin_config: r#"{"prefill_host_cluster":"prefill_original_dst","replace_local_remote_host":true,"prefill_timeout_ms":5000}"#,
+        plugin_config: r#"{"prefill_host_cluster":"prefill_original_dst","prefill_hosts_allowed":["127.0.0.2/32"],"replace_local_remote_host":true,"prefill_timeout_ms":5000}"#,
         decode_route: DecodeRoute::ByPickerHeader,
         allow_on_headers_stop_iteration: false,
     },
