@@ -30,7 +30,12 @@ pub struct Listener {
     pub decode_route: DecodeRoute,
     /// `allow_on_headers_stop_iteration` on the wasm filter.
     pub allow_on_headers_stop_iteration: bool,
+    /// The listener's `per_connection_buffer_limit_bytes`.
+    pub buffer_limit_bytes: u32,
 }
+
+/// 16 MiB, as in `envoy/envoy.yaml` (above the filter's default 8 MiB body limit).
+const BUFFER_LIMIT_BYTES: u32 = 16 * 1024 * 1024;
 
 const fn plain(name: &'static str, plugin_config: &'static str) -> Listener {
     Listener {
@@ -38,6 +43,7 @@ const fn plain(name: &'static str, plugin_config: &'static str) -> Listener {
         plugin_config,
         decode_route: DecodeRoute::Plain,
         allow_on_headers_stop_iteration: false,
+        buffer_limit_bytes: BUFFER_LIMIT_BYTES,
     }
 }
 
@@ -62,17 +68,25 @@ pub const LISTENERS: &[Listener] = &[
         plugin_config: r#"{"model_prefill_clusters":{"model-b":"prefill_b"},"model_header":"x-pd-model"}"#,
         decode_route: DecodeRoute::ByModelHeader,
         allow_on_headers_stop_iteration: true,
+        buffer_limit_bytes: BUFFER_LIMIT_BYTES,
     },
     Listener {
         name: "scheduled",
         plugin_config: r#"{"prefill_host_cluster":"prefill_original_dst","prefill_hosts_allowed":["127.0.0.2/32"],"replace_local_remote_host":true,"prefill_timeout_ms":5000}"#,
         decode_route: DecodeRoute::ByPickerHeader,
         allow_on_headers_stop_iteration: false,
+        buffer_limit_bytes: BUFFER_LIMIT_BYTES,
     },
     plain(
         "decode_only",
         r#"{"prefill_cluster":"prefill_unreachable","on_prefill_failure":"decode_only","prefill_retries":2}"#,
     ),
+    // Envoy's buffer no larger than the filter's body limit: a body just under the limit
+    // grows past the buffer when decode's kv_transfer_params go in (tests/security.rs).
+    Listener {
+        buffer_limit_bytes: 65536,
+        ..plain("tight_buffer", r#"{"max_request_body_bytes":65536}"#)
+    },
 ];
 
 pub struct Harness {
@@ -438,13 +452,44 @@ fn routes_yaml(route: DecodeRoute) -> &'static str {
     }
 }
 
+/// Keys of the test configurations that a filter built before them rejects (so that Envoy
+/// would not start): left out for such a build, which still runs every other test.
+const NEWER_CONFIG_KEYS: &[&str] = &["prefill_hosts_allowed"];
+
+/// The listener's plugin configuration, without the keys the built filter does not know.
+fn plugin_config_for(listener: &Listener, wasm: &Path) -> String {
+    let config = listener.plugin_config;
+    let bytes = std::fs::read(wasm).unwrap_or_default();
+    let unknown: Vec<&str> = NEWER_CONFIG_KEYS
+        .iter()
+        .copied()
+        .filter(|key| config.contains(key))
+        .filter(|key| !bytes.windows(key.len()).any(|w| w == key.as_bytes()))
+        .collect();
+    if unknown.is_empty() {
+        return config.to_owned();
+    }
+    eprintln!(
+        "note: the built filter does not know {unknown:?}; left out of listener {}",
+        listener.name
+    );
+    let mut value: serde_json::Value = serde_json::from_str(config).expect("plugin config");
+    if let Some(object) = value.as_object_mut() {
+        for key in unknown {
+            object.remove(key);
+        }
+    }
+    value.to_string()
+}
+
 fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
-    let plugin_config = serde_json::to_string(listener.plugin_config).expect("json string");
+    let plugin_config = plugin_config_for(listener, wasm);
+    let plugin_config = serde_json::to_string(&plugin_config).expect("json string");
     format!(
         r#"  - name: {name}
     address:
       socket_address: {{ address: 127.0.0.1, port_value: 0 }}
-    per_connection_buffer_limit_bytes: 16777216
+    per_connection_buffer_limit_bytes: {buffer_limit}
     filter_chains:
     - filters:
       - name: envoy.filters.network.http_connection_manager
@@ -479,6 +524,7 @@ fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
         name = listener.name,
         routes = routes_yaml(listener.decode_route),
         allow = listener.allow_on_headers_stop_iteration,
+        buffer_limit = listener.buffer_limit_bytes,
         wasm = wasm.display()
     )
 }

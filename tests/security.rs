@@ -1,0 +1,1026 @@
+//! Issue #9: no client can crash Envoy, skip prefill, or steer traffic. Hostile requests go
+//! through a real Envoy running the built filter; after each one Envoy is alive, no VM
+//! crashed, decode never received the client's own `kv_transfer_params`, and a normal request
+//! on the same listener is served.
+//!
+//! The hostile client marks its own `kv_transfer_params` ([`CLIENT_KV`]) so that they are
+//! recognised wherever they end up.
+
+mod common;
+#[path = "common/raw_http.rs"]
+mod raw_http;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{assert_filter_healthy, harness, http_get, mock_fingerprint, unique_id};
+use mock_vllm::RecordedRequest;
+use raw_http::{h2_connect, h2_exchange, post_raw, H2Request, RawResponse};
+use serde_json::{json, Value};
+
+/// A client's forged `kv_transfer_params`: pull KV blocks from a host of its choosing.
+const CLIENT_KV: &str = r#"{"remote_host":"6.6.6.6","do_remote_prefill":true,"remote_engine_id":"client-forged-engine"}"#;
+/// Text that only the client's `kv_transfer_params` contain.
+const CLIENT_MARKERS: &[&str] = &["6.6.6.6", "client-forged-engine"];
+
+// ----------------------------------------------------------------------------------------
+// Helpers
+
+fn port(listener: &str) -> u16 {
+    let url = harness().url(listener, "");
+    url.rsplit(':')
+        .next()
+        .and_then(|port| port.parse().ok())
+        .unwrap_or_else(|| panic!("no port in {url}"))
+}
+
+/// The top-level members of a JSON object in order, duplicates kept, each value as its raw
+/// JSON text; `None` when the bytes are not one JSON object.
+fn members(body: &[u8]) -> Option<Vec<(String, String)>> {
+    use serde::de::{Deserializer, MapAccess, Visitor};
+    struct Members;
+    impl<'de> Visitor<'de> for Members {
+        type Value = Vec<(String, String)>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(key) = map.next_key::<String>()? {
+                let value: Box<serde_json::value::RawValue> = map.next_value()?;
+                out.push((key, value.get().to_owned()));
+            }
+            Ok(out)
+        }
+    }
+    let mut deserializer = serde_json::Deserializer::from_slice(body);
+    let found = deserializer.deserialize_map(Members).ok()?;
+    deserializer.end().ok()?;
+    Some(found)
+}
+
+/// The raw values of every top-level `name` member of a JSON object body.
+fn values_of(body: &[u8], name: &str) -> Vec<String> {
+    let text = String::from_utf8_lossy(body);
+    members(body)
+        .unwrap_or_else(|| panic!("not a JSON object: {}", preview(&text)))
+        .into_iter()
+        .filter(|(key, _)| key == name)
+        .map(|(_, value)| value)
+        .collect()
+}
+
+fn preview(text: &str) -> String {
+    if text.len() <= 400 {
+        return text.to_owned();
+    }
+    let mut end = 400;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &text[..end], text.len())
+}
+
+fn has_client_marker(text: &str) -> bool {
+    CLIENT_MARKERS.iter().any(|marker| text.contains(marker))
+}
+
+/// Every request either decode pool received for `id`.
+fn decoded(id: &str) -> Vec<RecordedRequest> {
+    let h = harness();
+    let mut all = h.decode_requests(id);
+    all.extend(h.decode_b.requests_with_id(id));
+    all
+}
+
+/// Every request either prefill received for `id`.
+fn prefilled(id: &str) -> Vec<RecordedRequest> {
+    let h = harness();
+    let mut all = h.prefill_requests(id);
+    all.extend(h.prefill_b.requests_with_id(id));
+    all
+}
+
+/// Neither decode pool ever received the client's `kv_transfer_params` for `id`.
+fn assert_decode_never_got_client_kv(id: &str) {
+    for request in decoded(id) {
+        let text = String::from_utf8_lossy(&request.body);
+        match members(&request.body) {
+            Some(members) => {
+                for (key, value) in members {
+                    assert!(
+                        !(key == "kv_transfer_params" && has_client_marker(&value)),
+                        "{id}: decode received the client's kv_transfer_params {value}: {}",
+                        preview(&text)
+                    );
+                }
+            }
+            None => assert!(
+                !has_client_marker(&text),
+                "{id}: decode received a body with the client's marker: {}",
+                preview(&text)
+            ),
+        }
+    }
+}
+
+/// The one decode request for `id`, which carries exactly one `kv_transfer_params`: the one
+/// prefill issued for `prompt`.
+fn assert_decode_got_prefills_kv(id: &str, prompt: &str) -> RecordedRequest {
+    let mut requests = decoded(id);
+    assert_eq!(requests.len(), 1, "{id}: decode requests {requests:?}");
+    let request = requests.remove(0);
+    let kv = values_of(&request.body, "kv_transfer_params");
+    assert_eq!(
+        kv.len(),
+        1,
+        "{id}: decode got {} kv_transfer_params members",
+        kv.len()
+    );
+    let kv: Value = serde_json::from_str(&kv[0]).expect("kv_transfer_params JSON");
+    assert_eq!(
+        kv["mock_prompt_fingerprint"],
+        mock_fingerprint(prompt),
+        "{id}: decode's kv_transfer_params are not prefill's: {kv}"
+    );
+    assert_decode_never_got_client_kv(id);
+    request
+}
+
+fn assert_envoy_alive() {
+    let ready = http_get(harness().admin_port, "/ready");
+    assert!(
+        ready.as_deref().is_some_and(|text| text.contains("LIVE")),
+        "Envoy's admin does not answer (Envoy crashed?): {ready:?}\n{}",
+        tail_of_envoy_log()
+    );
+}
+
+fn tail_of_envoy_log() -> String {
+    let text = harness().envoy_log_text();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+/// Envoy alive, no VM reloaded, no panic or trap in the log.
+fn assert_healthy() {
+    assert_envoy_alive();
+    assert_filter_healthy();
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("http client")
+}
+
+/// A client's answer.
+struct Reply {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: String,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+async fn try_exchange(request: reqwest::RequestBuilder) -> Result<Reply, String> {
+    let response = request.send().await.map_err(|e| format!("send: {e:?}"))?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response
+        .text()
+        .await
+        .map_err(|e| format!("status {status}, body: {e:?}"))?;
+    Ok(Reply {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// A reqwest exchange; a failure says whether Envoy is still there.
+async fn exchange(request: reqwest::RequestBuilder) -> Reply {
+    match try_exchange(request).await {
+        Ok(reply) => reply,
+        Err(error) => {
+            let alive = http_get(harness().admin_port, "/ready").is_some();
+            panic!(
+                "request failed: {error}; Envoy alive: {alive}\n{}",
+                tail_of_envoy_log()
+            )
+        }
+    }
+}
+
+async fn post_json(listener: &str, path: &str, id: &str, body: impl Into<reqwest::Body>) -> Reply {
+    exchange(
+        client()
+            .post(harness().url(listener, path))
+            .header("content-type", "application/json")
+            .header("x-request-id", id)
+            .body(body),
+    )
+    .await
+}
+
+/// A normal request on `listener` is served with prefill's KV (decode recomputes on the
+/// decode-only listener, whose prefill is unreachable); then everything is healthy.
+async fn assert_still_serves(listener: &str) {
+    let id = unique_id("still-serves");
+    let prompt = format!("{id} normal request");
+    let body = json!({"prompt": prompt, "max_tokens": 4}).to_string();
+    let reply = post_json(listener, "/v1/completions", &id, body).await;
+    assert_eq!(reply.status, 200, "{listener}: {}", reply.body);
+    if listener == "decode_only" {
+        assert_eq!(reply.header("x-mock-kv"), Some("recomputed"), "{listener}");
+    } else {
+        assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{listener}");
+        assert_decode_got_prefills_kv(&id, &prompt);
+    }
+    assert_healthy();
+}
+
+fn assert_filter_error(reply: &Reply, status: u16, context: &str) {
+    assert_eq!(reply.status, status, "{context}: {}", reply.body);
+    let body: Value = serde_json::from_str(&reply.body)
+        .unwrap_or_else(|e| panic!("{context}: not JSON ({e}): {}", reply.body));
+    assert!(body["error"]["message"].is_string(), "{context}: {body}");
+    assert!(body["error"]["type"].is_string(), "{context}: {body}");
+    assert_eq!(body["error"]["code"], status, "{context}: {body}");
+    assert!(
+        reply.header("x-envoy-upstream-service-time").is_none(),
+        "{context}: the answer came from an upstream, not the filter"
+    );
+}
+
+/// A completions body of exactly `size` bytes carrying the client's kv_transfer_params.
+fn sized_body(prompt_head: &str, size: usize) -> (String, String) {
+    let build = |padding: &str| {
+        let prompt = format!("{prompt_head} {padding}");
+        let body = format!(
+            r#"{{"prompt":{},"max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#,
+            json!(prompt)
+        );
+        (body, prompt)
+    };
+    let frame = build("").0.len();
+    let (body, prompt) = build(&"z".repeat(size - frame));
+    assert_eq!(body.len(), size);
+    (body, prompt)
+}
+
+fn chunked(body: String, chunk: usize) -> reqwest::Body {
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = body
+        .into_bytes()
+        .chunks(chunk)
+        .map(|c| Ok(c.to_vec()))
+        .collect();
+    reqwest::Body::wrap_stream(futures_util::stream::iter(chunks))
+}
+
+type Case = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Runs every case, one after the other, each to its end even when an earlier one failed;
+/// then fails with the message of each case that panicked.
+async fn run_cases(cases: Vec<(String, Case)>) {
+    let total = cases.len();
+    let mut failures = Vec::new();
+    for (name, case) in cases {
+        if let Err(error) = tokio::spawn(case).await {
+            let message = error
+                .try_into_panic()
+                .ok()
+                .and_then(|payload| {
+                    payload
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                })
+                .unwrap_or_else(|| "cancelled".to_owned());
+            failures.push(format!("[{name}] {message}"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {total} cases failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+fn case(
+    name: impl Into<String>,
+    future: impl Future<Output = ()> + Send + 'static,
+) -> (String, Case) {
+    (name.into(), Box::pin(future))
+}
+
+// ----------------------------------------------------------------------------------------
+// 1. A decode body that outgrows Envoy's buffer
+
+#[tokio::test]
+async fn a_body_that_grows_past_envoys_buffer_on_decode_is_413_or_served() {
+    // tight_buffer: Envoy buffers at most 65536 bytes, the filter accepts up to 65536. With
+    // prefill's kv_transfer_params in it, decode's body no longer fits in Envoy's buffer.
+    let mut cases = Vec::new();
+    for size in [65_456usize, 65_536] {
+        for framing in ["content-length", "chunked"] {
+            cases.push(case(format!("{size} bytes, {framing}"), async move {
+                let context = format!("{size} bytes, {framing}");
+                let id = unique_id("tight");
+                let (body, prompt) = sized_body(&id, size);
+                let body: reqwest::Body = match framing {
+                    "chunked" => chunked(body, 8192),
+                    _ => body.into(),
+                };
+                let reply = post_json("tight_buffer", "/v1/completions", &id, body).await;
+                assert_envoy_alive();
+                match reply.status {
+                    413 => {
+                        assert_filter_error(&reply, 413, &context);
+                        assert_eq!(
+                            reply.json()["error"]["type"],
+                            "RequestTooLargeError",
+                            "{context}"
+                        );
+                        assert!(decoded(&id).is_empty(), "{context}: decode was called");
+                    }
+                    200 => {
+                        assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{context}");
+                        assert_decode_got_prefills_kv(&id, &prompt);
+                    }
+                    other => panic!("{context}: neither 413 nor served: {other} {}", reply.body),
+                }
+                assert_decode_never_got_client_kv(&id);
+                assert_healthy();
+            }));
+        }
+    }
+    cases.push(case(
+        "then a normal request",
+        assert_still_serves("tight_buffer"),
+    ));
+    run_cases(cases).await;
+}
+
+#[tokio::test]
+async fn eighty_thousand_duplicate_kv_transfer_params_do_not_crash_envoy() {
+    // The shipped configuration: 16 MiB buffer, 8 MiB body limit (the default listener).
+    // 1.8 MB of `"kv_transfer_params":0,`: replacing each one by prefill's object makes a
+    // decode body far above the buffer.
+    let id = unique_id("dup-kv-80000");
+    let prompt = format!("{id} duplicates");
+    let mut body = format!(r#"{{"prompt":{},"max_tokens":3,"#, json!(prompt));
+    for _ in 0..80_000 {
+        body.push_str(r#""kv_transfer_params":0,"#);
+    }
+    body.push_str(r#""stream":false}"#);
+    assert!(body.len() > 1_750_000);
+    let client_len = body.len();
+    let reply = post_json("default", "/v1/completions", &id, body).await;
+    assert_envoy_alive();
+    match reply.status {
+        200 => {
+            let decode = assert_decode_got_prefills_kv(&id, &prompt);
+            assert!(decode.body.len() <= client_len + 1024);
+        }
+        400..=499 => {
+            assert_filter_error(&reply, reply.status, "80,000 duplicates");
+            assert!(decoded(&id).is_empty(), "decode was called");
+        }
+        other => panic!("neither served nor a 4xx: {other} {}", reply.body),
+    }
+    assert_healthy();
+    assert_still_serves("default").await;
+}
+
+// ----------------------------------------------------------------------------------------
+// 2. Duplicate members
+
+#[tokio::test]
+async fn five_thousand_client_kv_transfer_params_reach_each_leg_as_one() {
+    let h = harness();
+    let id = unique_id("dup-kv-5000");
+    let prompt = format!("{id} many kv");
+    let mut body = format!(r#"{{"prompt":{},"max_tokens":4,"#, json!(prompt));
+    for _ in 0..5_000 {
+        body.push_str(&format!(r#""kv_transfer_params":{CLIENT_KV},"#));
+    }
+    body.push_str(r#""temperature":0}"#);
+    let client_len = body.len();
+    let reply = post_json("default", "/v1/completions", &id, body).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-mock-kv"), Some("reused"));
+
+    let prefill = h.only_prefill(&id);
+    let kv = values_of(&prefill.body, "kv_transfer_params");
+    assert_eq!(kv.len(), 1, "prefill got {} kv_transfer_params", kv.len());
+    assert!(
+        !has_client_marker(&kv[0]),
+        "prefill got the client's: {}",
+        kv[0]
+    );
+    assert_eq!(
+        serde_json::from_str::<Value>(&kv[0]).unwrap()["do_remote_decode"],
+        true
+    );
+    assert!(
+        prefill.body.len() <= client_len + 1024,
+        "prefill body {} bytes, the client's {client_len}",
+        prefill.body.len()
+    );
+    let decode = assert_decode_got_prefills_kv(&id, &prompt);
+    assert!(
+        decode.body.len() <= client_len + 1024,
+        "decode body {} bytes, the client's {client_len}",
+        decode.body.len()
+    );
+    assert_healthy();
+    assert_still_serves("default").await;
+}
+
+#[tokio::test]
+async fn ten_thousand_duplicate_limits_do_not_grow_the_prefill_body() {
+    let mut cases = Vec::new();
+    for (member, key) in [
+        (r#""stream":0"#, "stream"),
+        (r#""max_tokens":5"#, "max_tokens"),
+    ] {
+        cases.push(case(member, async move {
+            let h = harness();
+            let id = unique_id("dup-limits");
+            let prompt = format!("{id} limits");
+            let mut body = format!(r#"{{"prompt":{},"#, json!(prompt));
+            for _ in 0..10_000 {
+                body.push_str(member);
+                body.push(',');
+            }
+            body.push_str(&format!(r#""kv_transfer_params":{CLIENT_KV}}}"#));
+            let client_len = body.len();
+            let reply = post_json("default", "/v1/completions", &id, body).await;
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            assert_eq!(reply.header("x-mock-kv"), Some("reused"));
+
+            let prefill = h.only_prefill(&id);
+            assert!(
+                prefill.body.len() <= client_len + 1024,
+                "prefill body {} bytes, the client's {client_len}",
+                prefill.body.len()
+            );
+            let kv = values_of(&prefill.body, "kv_transfer_params");
+            assert_eq!(kv.len(), 1, "prefill got {} kv members", kv.len());
+            assert!(!has_client_marker(&kv[0]), "{}", kv[0]);
+            // Whichever duplicate a parser reads, prefill generates one token, unstreamed.
+            let expected = if key == "stream" { "false" } else { "1" };
+            let values = values_of(&prefill.body, key);
+            assert!(!values.is_empty(), "no {key} on prefill");
+            assert!(
+                values.iter().all(|value| value == expected),
+                "prefill {key} values other than {expected}: {:?}",
+                values
+                    .iter()
+                    .filter(|v| *v != expected)
+                    .take(3)
+                    .collect::<Vec<_>>()
+            );
+            let decode = assert_decode_got_prefills_kv(&id, &prompt);
+            assert!(
+                decode.body.len() <= client_len + 1024,
+                "decode body {} bytes, the client's {client_len}",
+                decode.body.len()
+            );
+            assert_healthy();
+        }));
+    }
+    cases.push(case(
+        "then a normal request",
+        assert_still_serves("default"),
+    ));
+    run_cases(cases).await;
+}
+
+// ----------------------------------------------------------------------------------------
+// 3. HTTP/2 request trailers
+
+fn h2_post(path: &str, id: &str, data: Vec<Vec<u8>>, trailers: &[(&str, &str)]) -> H2Request {
+    H2Request {
+        method: "POST".to_owned(),
+        path: path.to_owned(),
+        headers: vec![
+            ("content-type".to_owned(), "application/json".to_owned()),
+            ("x-request-id".to_owned(), id.to_owned()),
+        ],
+        data,
+        trailers: trailers
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect(),
+        reset_after: None,
+    }
+}
+
+fn split_in(body: &[u8], parts: usize) -> Vec<Vec<u8>> {
+    let size = body.len().div_ceil(parts);
+    body.chunks(size).map(<[u8]>::to_vec).collect()
+}
+
+#[tokio::test]
+async fn an_h2c_request_without_trailers_is_orchestrated() {
+    // The harness's listeners speak h2c (codec AUTO): the trailer tests below rely on it.
+    let sender = h2_connect(port("default")).await.expect("h2c connection");
+    let id = unique_id("h2c-plain");
+    let prompt = format!("{id} over h2c");
+    let body = format!(
+        r#"{{"prompt":{},"max_tokens":4,"kv_transfer_params":{CLIENT_KV}}}"#,
+        json!(prompt)
+    );
+    let request = h2_post("/v1/completions", &id, split_in(body.as_bytes(), 3), &[]);
+    let response = h2_exchange(&sender, request, Duration::from_secs(30))
+        .await
+        .response("h2c");
+    assert_eq!(response.status, 200, "{}", response.text());
+    assert_eq!(response.header("x-mock-kv"), Some("reused"));
+    harness().only_prefill(&id);
+    assert_decode_got_prefills_kv(&id, &prompt);
+    assert_healthy();
+}
+
+#[tokio::test]
+async fn h2_trailers_after_the_body_do_not_skip_prefill() {
+    let mut cases = Vec::new();
+    for frames in [1, 3] {
+        cases.push(case(
+            format!("{frames} DATA frames, then trailers"),
+            async move {
+                let sender = h2_connect(port("default")).await.expect("h2c connection");
+                let id = unique_id("h2-trailers");
+                let prompt = format!("{id} with trailers");
+                let body = format!(
+                    r#"{{"prompt":{},"max_tokens":4,"kv_transfer_params":{CLIENT_KV}}}"#,
+                    json!(prompt)
+                );
+                let request = h2_post(
+                    "/v1/completions",
+                    &id,
+                    split_in(body.as_bytes(), frames),
+                    &[("x-trailer", "end")],
+                );
+                let outcome = h2_exchange(&sender, request, Duration::from_secs(30)).await;
+                assert_envoy_alive();
+                let prefills = prefilled(&id).len();
+                assert_decode_never_got_client_kv(&id);
+                assert_eq!(prefills, 1, "prefill was not called once");
+                let response = outcome.response("h2 trailers");
+                assert_eq!(response.status, 200, "{}", response.text());
+                assert_eq!(response.header("x-mock-kv"), Some("reused"));
+                assert_decode_got_prefills_kv(&id, &prompt);
+                assert_healthy();
+            },
+        ));
+    }
+    cases.push(case(
+        "then a normal request",
+        assert_still_serves("default"),
+    ));
+    run_cases(cases).await;
+}
+
+#[tokio::test]
+async fn h2_trailers_without_a_body_are_400() {
+    let sender = h2_connect(port("default")).await.expect("h2c connection");
+    let id = unique_id("h2-trailers-only");
+    let request = h2_post(
+        "/v1/chat/completions",
+        &id,
+        Vec::new(),
+        &[("x-trailer", "1")],
+    );
+    let outcome = h2_exchange(&sender, request, Duration::from_secs(30)).await;
+    assert_envoy_alive();
+    assert!(prefilled(&id).is_empty(), "prefill was called");
+    assert!(
+        decoded(&id).is_empty(),
+        "decode was called ({outcome:?}): {:?}",
+        decoded(&id)
+    );
+    let response = outcome.response("h2 trailers only");
+    response.assert_json_error(400, "trailers without a body");
+    assert!(!response.came_from_upstream(), "answered by an upstream");
+    assert_healthy();
+    assert_still_serves("default").await;
+}
+
+// ----------------------------------------------------------------------------------------
+// 4. Paths decode would route to an orchestrated endpoint, spelled another way
+
+const NON_CANONICAL_PATHS: &[&str] = &[
+    "/v1/%63ompletions",
+    "/v1/re%73ponses",
+    "/%76%31/chat/completions",
+    "/v1%2Fcompletions",
+    "/v1/chat%2fcompletions",
+    "//v1/completions",
+    "/v1/./completions",
+    "/v1/x/../completions",
+];
+
+fn marked_body(prompt: &str) -> String {
+    // Fields for all three endpoints, so that any of them would accept it.
+    format!(
+        r#"{{"prompt":{p},"messages":[{{"role":"user","content":{p}}}],"input":{p},"max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#,
+        p = json!(prompt)
+    )
+}
+
+fn assert_raw_filter_error(response: &RawResponse, status: u16, context: &str) {
+    assert!(
+        !response.came_from_upstream(),
+        "{context}: the answer came from decode, not the filter: {} {}",
+        response.status,
+        response.text()
+    );
+    response.assert_json_error(status, context);
+}
+
+#[tokio::test]
+async fn non_canonical_orchestrated_paths_are_400_and_never_reach_decode() {
+    let mut cases = Vec::new();
+    for path in NON_CANONICAL_PATHS {
+        cases.push(case(format!("HTTP/1.1 {path}"), async move {
+            let id = unique_id("odd-path");
+            let body = marked_body(&format!("{id} odd path"));
+            let outcome = post_raw(port("default"), path, &id, &[], body.as_bytes()).await;
+            assert_envoy_alive();
+            assert!(decoded(&id).is_empty(), "decode recorded it");
+            assert_raw_filter_error(&outcome.response(path), 400, path);
+        }));
+        cases.push(case(format!("h2 {path}"), async move {
+            let sender = h2_connect(port("default")).await.expect("h2c connection");
+            let id = unique_id("odd-path-h2");
+            let body = marked_body(&format!("{id} odd path"));
+            let request = h2_post(path, &id, vec![body.into_bytes()], &[]);
+            let outcome = h2_exchange(&sender, request, Duration::from_secs(30)).await;
+            assert_envoy_alive();
+            assert!(decoded(&id).is_empty(), "decode recorded it");
+            assert_raw_filter_error(&outcome.response(path), 400, path);
+        }));
+    }
+    cases.push(case(
+        "then a normal request",
+        assert_still_serves("default"),
+    ));
+    run_cases(cases).await;
+}
+
+#[tokio::test]
+async fn an_orchestrated_path_with_a_query_string_is_still_orchestrated() {
+    let id = unique_id("query");
+    let prompt = format!("{id} with a query");
+    let body = format!(
+        r#"{{"prompt":{},"max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#,
+        json!(prompt)
+    );
+    let response = post_raw(
+        port("default"),
+        "/v1/completions?x=1",
+        &id,
+        &[],
+        body.as_bytes(),
+    )
+    .await
+    .response("query");
+    assert_eq!(response.status, 200, "{}", response.text());
+    assert_eq!(response.header("x-mock-kv"), Some("reused"));
+    harness().only_prefill(&id);
+    assert_decode_got_prefills_kv(&id, &prompt);
+    assert_healthy();
+}
+
+// ----------------------------------------------------------------------------------------
+// 5. Decode-only fallbacks
+
+/// Decode got the client's body with no `kv_transfer_params` member and nothing else changed.
+fn assert_decode_without_kv(id: &str, client_body: &str) {
+    let mut requests = decoded(id);
+    assert_eq!(requests.len(), 1, "decode requests {requests:?}");
+    let request = requests.remove(0);
+    let got = members(&request.body).expect("decode body is a JSON object");
+    assert!(
+        got.iter().all(|(key, _)| key != "kv_transfer_params"),
+        "decode got kv_transfer_params: {}",
+        String::from_utf8_lossy(&request.body)
+    );
+    let expected: Vec<(String, String)> = members(client_body.as_bytes())
+        .unwrap()
+        .into_iter()
+        .filter(|(key, _)| key != "kv_transfer_params")
+        .collect();
+    assert_eq!(got, expected, "the other members changed");
+}
+
+#[tokio::test]
+async fn without_prefills_kv_decode_gets_the_body_without_any_kv_transfer_params() {
+    let mut cases = Vec::new();
+    for directive in [
+        "mock:prefill_no_kv",
+        "mock:prefill_null_kv",
+        "mock:prefill_kv_not_object",
+        "mock:prefill_non_json",
+    ] {
+        cases.push(case(directive, async move {
+            let id = unique_id("fallback");
+            let body = format!(
+                r#"{{"prompt":{},"kv_transfer_params":{CLIENT_KV},"max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#,
+                json!(format!("{id} {directive}"))
+            );
+            let reply = post_json("default", "/v1/completions", &id, body.clone()).await;
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            assert_decode_never_got_client_kv(&id);
+            assert_decode_without_kv(&id, &body);
+            assert_eq!(reply.header("x-mock-kv"), Some("recomputed"));
+            assert_healthy();
+        }));
+    }
+    cases.push(case(
+        "then a normal request",
+        assert_still_serves("default"),
+    ));
+    run_cases(cases).await;
+}
+
+#[tokio::test]
+async fn the_decode_only_fallback_drops_the_clients_kv_transfer_params() {
+    // decode_only: prefill unreachable, on_prefill_failure decode_only.
+    let id = unique_id("decode-only");
+    let body = format!(
+        r#"{{"prompt":{},"max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#,
+        json!(format!("{id} fallback"))
+    );
+    let reply = post_json("decode_only", "/v1/completions", &id, body.clone()).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_decode_never_got_client_kv(&id);
+    assert_decode_without_kv(&id, &body);
+    assert_eq!(reply.header("x-mock-kv"), Some("recomputed"));
+    assert_healthy();
+    assert_still_serves("decode_only").await;
+}
+
+// ----------------------------------------------------------------------------------------
+// 6. Scheduler header pointing outside the allowlist (127.0.0.2/32 on `scheduled`)
+
+/// A TCP port that counts the connections made to it and drops each at once.
+struct Canary {
+    port: u16,
+    connections: Arc<AtomicUsize>,
+}
+
+async fn canary() -> Canary {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counter = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            drop(stream);
+        }
+    });
+    Canary { port, connections }
+}
+
+async fn post_scheduled(id: &str, hosts: &str) -> Reply {
+    let body = json!({"prompt": format!("{id} steer"), "max_tokens": 3}).to_string();
+    exchange(
+        client()
+            .post(harness().url("scheduled", "/v1/completions"))
+            .header("content-type", "application/json")
+            .header("x-request-id", id)
+            .header("x-prefiller-host-port", hosts)
+            .body(body),
+    )
+    .await
+}
+
+fn assert_names_the_header(reply: &Reply) {
+    assert!(
+        reply.body.contains("x-prefiller-host-port"),
+        "the error does not name the header: {}",
+        reply.body
+    );
+}
+
+#[tokio::test]
+async fn a_scheduler_host_outside_the_allowlist_is_400_and_nothing_is_sent_there() {
+    let h = harness();
+    // The canary's accept loop runs on this test's runtime, like the cases.
+    let canary = canary().await;
+    let canary_port = canary.port;
+    let connections = canary.connections.clone();
+    let mut cases = Vec::new();
+
+    // Envoy's own admin endpoint: its text must never come back to the client.
+    cases.push(case("Envoy's admin", async move {
+        let id = unique_id("ssrf-admin");
+        let reply = post_scheduled(&id, &format!("127.0.0.1:{}", h.admin_port)).await;
+        assert_envoy_alive();
+        assert!(
+            !reply.body.contains("admin commands") && !reply.body.contains("/stats"),
+            "the admin's answer reached the client: {} {}",
+            reply.status,
+            preview(&reply.body)
+        );
+        assert_filter_error(&reply, 400, "admin host");
+        assert_names_the_header(&reply);
+        assert!(prefilled(&id).is_empty() && decoded(&id).is_empty());
+    }));
+
+    for hosts in [
+        format!("127.0.0.1:{canary_port}"),
+        format!("[::ffff:127.0.0.1]:{canary_port}"),
+    ] {
+        let connections = connections.clone();
+        cases.push(case(hosts.clone(), async move {
+            let before = connections.load(Ordering::SeqCst);
+            let id = unique_id("ssrf-canary");
+            let reply = post_scheduled(&id, &hosts).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let made = connections.load(Ordering::SeqCst) - before;
+            assert_eq!(
+                made, 0,
+                "the filter connected to a host outside the allowlist; the client got {} {}",
+                reply.status, reply.body
+            );
+            assert_filter_error(&reply, 400, &hosts);
+            assert_names_the_header(&reply);
+            assert!(prefilled(&id).is_empty() && decoded(&id).is_empty());
+        }));
+    }
+
+    // A list with a forbidden host first: rejected, or served by the allowed one, but the
+    // forbidden one is never contacted.
+    let list_connections = connections.clone();
+    cases.push(case("a list starting outside the allowlist", async move {
+        let before = list_connections.load(Ordering::SeqCst);
+        let id = unique_id("ssrf-list");
+        let hosts = format!("127.0.0.1:{canary_port},127.0.0.2:{}", h.prefill_b.port());
+        let reply = post_scheduled(&id, &hosts).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let made = list_connections.load(Ordering::SeqCst) - before;
+        assert_eq!(
+            made, 0,
+            "{hosts}: the filter connected to a host outside the allowlist ({} {})",
+            reply.status, reply.body
+        );
+        match reply.status {
+            400 => {
+                assert_filter_error(&reply, 400, &hosts);
+                assert_names_the_header(&reply);
+            }
+            200 => assert_eq!(h.prefill_b.requests_with_id(&id).len(), 1),
+            other => panic!("{hosts}: {other} {}", reply.body),
+        }
+    }));
+
+    // A host inside the allowlist still gets the callout.
+    cases.push(case("inside the allowlist", async move {
+        let id = unique_id("allowed-host");
+        let prompt = format!("{id} steer");
+        let reply = post_scheduled(&id, &format!("127.0.0.2:{}", h.prefill_b.port())).await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(h.prefill_b.requests_with_id(&id).len(), 1);
+        assert_decode_got_prefills_kv(&id, &prompt);
+        assert_healthy();
+    }));
+    cases.push(case(
+        "then a normal request",
+        assert_still_serves("scheduled"),
+    ));
+    run_cases(cases).await;
+}
+
+// ----------------------------------------------------------------------------------------
+// 8. The model header (`models`: x-pd-model: model-b routes to decode pool b)
+
+#[tokio::test]
+async fn a_clients_own_model_header_does_not_pick_the_decode_pool() {
+    let mut cases = Vec::new();
+    for body_model in [None, Some("model-a"), Some("")] {
+        cases.push(case(format!("body model {body_model:?}"), async move {
+            let h = harness();
+            let id = unique_id("model-header");
+            let prompt = format!("{id} which pool");
+            let mut body = json!({"prompt": prompt, "max_tokens": 3});
+            if let Some(model) = body_model {
+                body["model"] = json!(model);
+            }
+            let reply = exchange(
+                client()
+                    .post(h.url("models", "/v1/completions"))
+                    .header("content-type", "application/json")
+                    .header("x-request-id", &id)
+                    .header("x-pd-model", "model-b")
+                    .body(body.to_string()),
+            )
+            .await;
+            assert_envoy_alive();
+            assert!(
+                h.decode_b.requests_with_id(&id).is_empty(),
+                "the client's x-pd-model chose decode pool b"
+            );
+            assert!(
+                h.prefill_b.requests_with_id(&id).is_empty(),
+                "prefill pool b was called"
+            );
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            assert_eq!(h.decode.requests_with_id(&id).len(), 1);
+            assert_healthy();
+        }));
+    }
+    cases.push(case("then a normal request", assert_still_serves("models")));
+    run_cases(cases).await;
+}
+
+#[tokio::test]
+async fn a_model_with_control_characters_is_400_before_any_prefill() {
+    let mut cases = Vec::new();
+    for model in [
+        r"a\r\nb",
+        r"model-b\r\nx-evil: 1",
+        r"a\nb",
+        r"a\rb",
+        r"a\u0000b",
+        r"a\u007fb",
+    ] {
+        cases.push(case(model, async move {
+            let id = unique_id("model-ctl");
+            // `model` is written with JSON escapes: the decoded value holds the control byte.
+            let body = format!(r#"{{"model":"{model}","prompt":"x","max_tokens":3}}"#);
+            let reply = post_json("models", "/v1/completions", &id, body).await;
+            assert_envoy_alive();
+            let (prefills, decodes) = (prefilled(&id).len(), decoded(&id).len());
+            assert!(
+                prefills == 0 && decodes == 0,
+                "prefill called {prefills}, decode {decodes} times; the client got {} {}",
+                reply.status,
+                reply.body
+            );
+            assert_filter_error(&reply, 400, model);
+            assert_healthy();
+        }));
+    }
+    cases.push(case("then a normal request", assert_still_serves("models")));
+    run_cases(cases).await;
+}
+
+// ----------------------------------------------------------------------------------------
+// 10. A UTF-8 byte order mark
+
+#[tokio::test]
+async fn a_utf8_bom_before_the_body_is_served_and_both_legs_get_valid_json() {
+    let mut cases = Vec::new();
+    for path in ["/v1/completions", "/v1/chat/completions", "/v1/responses"] {
+        cases.push(case(path, async move {
+            let id = unique_id("bom");
+            let prompt = format!("{id} bom");
+            let json_body = match path {
+                "/v1/completions" => json!({"prompt": prompt, "max_tokens": 3}),
+                "/v1/chat/completions" => {
+                    json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 3})
+                }
+                _ => json!({"input": prompt, "max_output_tokens": 3}),
+            };
+            let mut body = b"\xEF\xBB\xBF".to_vec();
+            body.extend_from_slice(json_body.to_string().as_bytes());
+            let reply = post_json("default", path, &id, body).await;
+            assert_envoy_alive();
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            assert_eq!(reply.header("x-mock-kv"), Some("reused"));
+            let prefill = harness().only_prefill(&id);
+            assert!(
+                serde_json::from_slice::<Value>(&prefill.body).is_ok(),
+                "prefill body is not JSON: {:?}",
+                String::from_utf8_lossy(&prefill.body)
+            );
+            let decode = assert_decode_got_prefills_kv(&id, &prompt);
+            assert!(serde_json::from_slice::<Value>(&decode.body).is_ok());
+            assert_healthy();
+        }));
+    }
+    cases.push(case(
+        "then a normal request",
+        assert_still_serves("default"),
+    ));
+    run_cases(cases).await;
+}
