@@ -397,7 +397,8 @@ impl Session {
         };
         let mut commands = Vec::new();
         if let Some(name) = &config.model_header {
-            if let Some(model) = &prepared.model {
+            // An empty model is no model: the default pools serve it.
+            if let Some(model) = prepared.model.as_ref().filter(|model| !model.is_empty()) {
                 if let Err(error) = check_model_for_header(model) {
                     return Step::new(Flow::Pause, self.reject(&error));
                 }

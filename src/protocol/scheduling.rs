@@ -127,9 +127,9 @@ const MAX_MODEL_HEADER_LEN: usize = 256;
 /// another name than the one prefill was chosen by.
 pub fn check_model_for_header(model: &str) -> Result<(), ClientError> {
     let trimmed = model.trim_matches(|c: char| c == ' ' || c == '\t');
-    if model.is_empty() || trimmed.len() != model.len() {
+    if trimmed.len() != model.len() {
         return Err(ClientError::bad_request(
-            "model must not be empty or start or end with spaces",
+            "model must not start or end with spaces",
         ));
     }
     if model.len() > MAX_MODEL_HEADER_LEN {
@@ -247,7 +247,7 @@ mod tests {
     fn a_model_must_fit_a_header_unchanged() {
         assert!(check_model_for_header("meta-llama/Llama-3.1-8B").is_ok());
         assert!(check_model_for_header("modèle").is_ok());
-        for bad in ["", " m", "m ", "a\r\nb", "a\u{0}b", "a\u{7f}b", "a\tb"] {
+        for bad in [" m", "m ", "a\r\nb", "a\u{0}b", "a\u{7f}b", "a\tb"] {
             assert_eq!(
                 check_model_for_header(bad).unwrap_err().status,
                 400,
