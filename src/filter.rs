@@ -85,6 +85,13 @@ fn now() -> SystemTime {
     hostcalls::get_current_time().unwrap_or(UNIX_EPOCH)
 }
 
+fn as_pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
+    headers
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.as_str()))
+        .collect()
+}
+
 fn action(flow: Flow) -> Action {
     match flow {
         Flow::Continue => Action::Continue,
@@ -208,11 +215,7 @@ impl PdRequest {
                 let _ = hostcalls::call_foreign_function("clear_route_cache", None);
             }
             Command::DispatchPrefill(call) => {
-                let headers: Vec<(&str, &str)> = call
-                    .headers
-                    .iter()
-                    .map(|(name, value)| (name.as_str(), value.as_str()))
-                    .collect();
+                let headers = as_pairs(&call.headers);
                 // The trait method, not `hostcalls`: the SDK must know the token to route
                 // the answer back to this context.
                 let token = self
@@ -243,11 +246,7 @@ impl PdRequest {
                 }
             }
             Command::SendReply(reply) => {
-                let headers: Vec<(&str, &str)> = reply
-                    .headers
-                    .iter()
-                    .map(|(name, value)| (name.as_str(), value.as_str()))
-                    .collect();
+                let headers = as_pairs(&reply.headers);
                 if let Err(status) = hostcalls::send_http_response(
                     u32::from(reply.status),
                     headers,
