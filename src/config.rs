@@ -87,7 +87,15 @@ impl Default for RawConfig {
 /// vLLM's generation APIs that the filter does not orchestrate: their requests go to decode
 /// with any client `kv_transfer_params` removed, so that no client can make decode pull KV
 /// from a host of its choosing.
-pub const DEFAULT_KV_STRIPPED_PATHS: &[&str] = &["/v1/messages", "/inference/v1/generate"];
+/// (vLLM 0.33: the Anthropic-style API, the tokens-in API, SageMaker's `/invocations`, which
+/// serves chat or completions by the body's shape, chat batches and the Cohere-style API.)
+pub const DEFAULT_KV_STRIPPED_PATHS: &[&str] = &[
+    "/v1/messages",
+    "/inference/v1/generate",
+    "/invocations",
+    "/v1/chat/completions/batch",
+    "/cohere/v2/chat",
+];
 
 /// A path the filter orchestrates and the API it serves.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -367,16 +367,19 @@ impl Session {
         }
         match std::mem::replace(&mut self.state, State::PassThrough) {
             State::Buffering(pending) => self.start_prefill(&config, pending, body, now),
-            State::StrippingKv => {
-                let commands = strip_kv_transfer_params(&body)
-                    .map(|stripped| Command::ReplaceRequestBody {
-                        body: stripped,
-                        replaced_len: body.len(),
-                    })
-                    .into_iter()
-                    .collect();
-                Step::new(Flow::Continue, commands)
-            }
+            State::StrippingKv => match strip_kv_transfer_params(&body) {
+                Ok(stripped) => {
+                    let commands = stripped
+                        .map(|stripped| Command::ReplaceRequestBody {
+                            body: stripped,
+                            replaced_len: body.len(),
+                        })
+                        .into_iter()
+                        .collect();
+                    Step::new(Flow::Continue, commands)
+                }
+                Err(error) => Step::new(Flow::Pause, self.reject(&error)),
+            },
             other => {
                 self.state = other;
                 self.hold_or_continue()

@@ -96,6 +96,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
         };
         ClientError::bad_request(format!("request body {what}: {e}"))
     })?;
+    refuse_nested_kv_transfer_params(&object)?;
     let prefill_body = prefill_splice(api, &object).write(json_text(body, json_start), b"");
 
     let has_client_kv = object.has(KV_TRANSFER_PARAMS);
@@ -130,18 +131,21 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
 }
 
 /// A request for a generation API the filter does not orchestrate, without any client
-/// `kv_transfer_params`; `None` when there is nothing to remove (or it is not a JSON object,
-/// which the backend refuses on its own).
-pub fn strip_kv_transfer_params(body: &[u8]) -> Option<Vec<u8>> {
+/// `kv_transfer_params`: `Ok(None)` when there is nothing to remove (or it is not a JSON
+/// object, which the backend refuses on its own).
+pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientError> {
     let json_start = if body.starts_with(UTF8_BOM) {
         UTF8_BOM.len()
     } else {
         0
     };
     let text = json_text(body, json_start);
-    let object = JsonObject::parse(text).ok()?;
+    let Ok(object) = JsonObject::parse(text) else {
+        return Ok(None);
+    };
+    refuse_nested_kv_transfer_params(&object)?;
     if !object.has(KV_TRANSFER_PARAMS) {
-        return None;
+        return Ok(None);
     }
     let splice = object.splice(
         |key| {
@@ -153,7 +157,33 @@ pub fn strip_kv_transfer_params(body: &[u8]) -> Option<Vec<u8>> {
         },
         &[],
     );
-    Some(splice.write(text, b""))
+    Ok(Some(splice.write(text, b"")))
+}
+
+/// vLLM also takes `kv_transfer_params` from `vllm_xargs` (merged over the request's own)
+/// and, on the tokens-in API, from `sampling_params` and its `extra_args`. Those are the
+/// filter's to set, never the client's: a request that sets them there is refused.
+fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientError> {
+    let sets_kv = |value: Option<&[u8]>| {
+        value
+            .and_then(|text| JsonObject::parse(text).ok())
+            .is_some_and(|inner| inner.has(KV_TRANSFER_PARAMS))
+    };
+    let sampling_params = object
+        .last_value("sampling_params")
+        .and_then(|text| JsonObject::parse(text).ok());
+    let nested = sets_kv(object.last_value("vllm_xargs"))
+        || sampling_params.as_ref().is_some_and(|params| {
+            params.has(KV_TRANSFER_PARAMS) || sets_kv(params.last_value("extra_args"))
+        });
+    if nested {
+        Err(ClientError::bad_request(
+            "kv_transfer_params are set by the gateway; they must not appear in vllm_xargs, \
+             sampling_params or extra_args",
+        ))
+    } else {
+        Ok(())
+    }
 }
 
 /// The client's body capped to one generated token, not streamed, asking for remote decode.
@@ -369,11 +399,32 @@ mod tests {
             strip_kv_transfer_params(
                 br#"{"kv_transfer_params":{"a":1},"x":1,"kv_transfer_params":2}"#
             )
+            .unwrap()
             .unwrap(),
             br#"{"x":1}"#
         );
-        assert_eq!(strip_kv_transfer_params(br#"{"x":1}"#), None);
-        assert_eq!(strip_kv_transfer_params(b"not json"), None);
+        assert_eq!(strip_kv_transfer_params(br#"{"x":1}"#), Ok(None));
+        assert_eq!(strip_kv_transfer_params(b"not json"), Ok(None));
+    }
+
+    #[test]
+    fn nested_kv_transfer_params_are_refused() {
+        for body in [
+            r#"{"prompt":"x","vllm_xargs":{"kv_transfer_params":"s"}}"#,
+            r#"{"prompt":"x","sampling_params":{"kv_transfer_params":{}}}"#,
+            r#"{"token_ids":[1],"sampling_params":{"extra_args":{"kv_transfer_params":{}}}}"#,
+        ] {
+            let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
+            assert_eq!(error.status, 400);
+            assert_eq!(
+                strip_kv_transfer_params(body.as_bytes())
+                    .unwrap_err()
+                    .status,
+                400
+            );
+        }
+        let fine = r#"{"prompt":"x","vllm_xargs":{"k":1},"sampling_params":{"extra_args":{}}}"#;
+        assert!(prepare(Api::Completions, fine.as_bytes()).is_ok());
     }
 
     #[test]
