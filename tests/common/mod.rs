@@ -12,6 +12,12 @@ use std::time::{Duration, Instant};
 
 use mock_vllm::{MockServer, RecordedRequest, Role};
 
+mod oracle;
+mod request;
+// What each leg must get (oracle) and the one test client (request); not every test uses all.
+#[allow(unused_imports)]
+pub use {oracle::*, request::*};
+
 /// How a test listener routes to decode.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum DecodeRoute {
