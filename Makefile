@@ -32,10 +32,13 @@ run: build envoy ## Run the filter in a real Envoy in front of the mock vLLM ser
 	cargo build -p mock-vllm
 	ENVOY="$(ENVOY)" scripts/run-local.sh
 
-# Every test of the workspace, then the wasm32 unit tests: the union of the tiers below.
+# Every test of the workspace, then the wasm32 unit tests (also when a native test failed):
+# the union of the tiers below.
 test: build envoy ## Every test: unit, property, mock, wasm32, integration in Envoy, load
-	ENVOY_BIN="$(ENVOY)" cargo test --workspace --no-fail-fast
+	@rm -f target/native-tests-failed
+	ENVOY_BIN="$(ENVOY)" cargo test --workspace --no-fail-fast || touch target/native-tests-failed
 	$(MAKE) --no-print-directory test-wasm
+	@if [ -e target/native-tests-failed ]; then echo "make test: native tests failed (above)"; exit 1; fi
 
 test-fast: ## Tests without Envoy (seconds): unit (native and wasm32), property, mock servers
 	cargo test -p pd-filter --lib --test properties
