@@ -176,6 +176,7 @@ impl Record {
 // Generating requests
 
 const ORCHESTRATED: &[&str] = &["/v1/completions", "/v1/chat/completions", "/v1/responses"];
+/// Paths the filter passes through (not the mocks' `/mock/requests`, which dumps their log).
 const OTHER_PATHS: &[&str] = &[
     "/v1/models",
     "/health",
@@ -183,7 +184,7 @@ const OTHER_PATHS: &[&str] = &[
     "/v1/completions/x",
     "/v2/completions",
     "/v1/responses/abc",
-    "/mock/requests",
+    "/v1/embeddings",
 ];
 
 const LISTENER_WEIGHTS: &[(usize, &str)] = &[
