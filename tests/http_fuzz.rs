@@ -156,11 +156,25 @@ struct Record {
     reported: Mutex<HashSet<String>>,
     cases: AtomicU64,
     stop: AtomicBool,
+    /// The last cases to finish, with what became of them: shown if Envoy goes away.
+    recent: Mutex<std::collections::VecDeque<String>>,
 }
 
 impl Record {
     fn count(&self, outcome: String) {
         *self.outcomes.lock().unwrap().entry(outcome).or_default() += 1;
+    }
+
+    fn finished(&self, description: &str, outcome: &str) {
+        let mut recent = self.recent.lock().unwrap();
+        let line: String = format!("{outcome} <- {description}")
+            .chars()
+            .take(300)
+            .collect();
+        recent.push_back(line);
+        while recent.len() > 40 {
+            recent.pop_front();
+        }
     }
 
     /// Records a violation once (by key).
@@ -910,6 +924,7 @@ async fn run_h1(env: &Env, record: &Record, case: u64, generated: H1Case) {
         Outcome::Malformed(_) => "h1 malformed".to_owned(),
         Outcome::Timeout(_) => "h1 hang".to_owned(),
     };
+    record.finished(&format!("#{case} {}", generated.description), &label);
     record.count(label);
     match outcome {
         Outcome::Response(_) | Outcome::Closed => {}
@@ -1059,6 +1074,7 @@ async fn run_h2_batch(
                 H2Outcome::Timeout => "h2 hang".to_owned(),
                 H2Outcome::NotSent(_) => "h2 not sendable".to_owned(),
             };
+            record.finished(&description, &label);
             record.count(label);
             if let H2Outcome::Timeout = outcome {
                 record.violation(
@@ -1136,9 +1152,14 @@ fn marker_in(body: &[u8]) -> Option<String> {
 fn checkpoint(env: &Env, record: &Record, baseline: &[(String, u64)], when: &str) {
     let alive = http_get(env.admin, "/ready").is_some_and(|text| text.contains("LIVE"));
     if !alive {
+        let recent: Vec<String> = record.recent.lock().unwrap().iter().cloned().collect();
         record.violation(
             "envoy gone".to_owned(),
-            format!("{when}: Envoy's admin does not answer: Envoy is gone"),
+            format!(
+                "{when}: Envoy's admin does not answer: Envoy is gone. The last cases to \
+                 finish:\n  {}",
+                recent.join("\n  ")
+            ),
         );
         record.stop.store(true, Ordering::SeqCst);
     }
