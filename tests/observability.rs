@@ -3,7 +3,9 @@
 
 mod common;
 
-use common::{harness, post, unique_id};
+use common::{assert_recomputed, assert_refused, assert_served, harness, unique_id, Request};
+
+const COMPLETIONS: &str = "/v1/completions";
 
 #[tokio::test]
 async fn stats_logs_and_prefill_time_header() {
@@ -24,27 +26,16 @@ async fn stats_logs_and_prefill_time_header() {
     let before: Vec<u64> = counters.iter().map(|name| h.counter(name)).collect();
 
     let happy_id = unique_id("stats-happy");
-    let reply = post(
-        "default",
-        "/v1/completions",
-        &happy_id,
-        r#"{"prompt":"a","max_tokens":1}"#,
-    )
-    .await;
-    assert_eq!(reply.status, 200);
+    let happy = r#"{"prompt":"a","max_tokens":1}"#;
+    let (reply, _) = assert_served("default", COMPLETIONS, &happy_id, happy).await;
     // Off by default.
     assert_eq!(reply.header("x-pd-prefill-ms"), None);
     let id = unique_id("stats-chat");
-    post(
-        "default",
-        "/v1/chat/completions",
-        &id,
-        r#"{"messages":[{"role":"user","content":"a"}]}"#,
-    )
-    .await;
+    let chat = r#"{"messages":[{"role":"user","content":"a"}]}"#;
+    assert_served("default", "/v1/chat/completions", &id, chat).await;
     let id = unique_id("stats-responses");
-    let reply = post("strict", "/v1/responses", &id, r#"{"input":"a"}"#).await;
-    assert_eq!(reply.status, 200);
+    let input = r#"{"input":"a"}"#;
+    let (reply, _) = assert_served("strict", "/v1/responses", &id, input).await;
     let millis: u64 = reply
         .header("x-pd-prefill-ms")
         .expect("prefill time header")
@@ -52,50 +43,53 @@ async fn stats_logs_and_prefill_time_header() {
         .unwrap();
     assert!(millis < 5_000);
 
-    common::send(common::client().get(h.url("default", "/v1/models"))).await;
+    Request::get("default", "/v1/models").send().await;
 
-    let status_id = unique_id("stats-status");
-    post(
-        "default",
-        "/v1/completions",
-        &status_id,
-        r#"{"prompt":"mock:prefill_status=500"}"#,
-    )
-    .await;
-    let timeout_id = unique_id("stats-timeout");
-    post(
-        "strict",
-        "/v1/completions",
-        &timeout_id,
-        r#"{"prompt":"mock:prefill_delay_ms=3000"}"#,
-    )
-    .await;
-    let reset_id = unique_id("stats-reset");
-    post(
-        "default",
-        "/v1/completions",
-        &reset_id,
-        r#"{"prompt":"mock:prefill_reset_mid_answer"}"#,
-    )
-    .await;
-    let unreachable_id = unique_id("stats-unreachable");
-    post(
-        "unreachable",
-        "/v1/completions",
-        &unreachable_id,
-        r#"{"prompt":"a"}"#,
-    )
-    .await;
-    let no_kv_id = unique_id("stats-no-kv");
-    post(
-        "default",
-        "/v1/completions",
-        &no_kv_id,
-        r#"{"prompt":"mock:prefill_no_kv"}"#,
-    )
-    .await;
+    // One request per kind of prefill failure, then a bad request.
+    let mut failures = Vec::new();
+    for (kind, listener, body) in [
+        (
+            "status",
+            "default",
+            r#"{"prompt":"mock:prefill_status=500"}"#,
+        ),
+        (
+            "timeout",
+            "strict",
+            r#"{"prompt":"mock:prefill_delay_ms=3000"}"#,
+        ),
+        (
+            "reset",
+            "default",
+            r#"{"prompt":"mock:prefill_reset_mid_answer"}"#,
+        ),
+        ("unreachable", "unreachable", r#"{"prompt":"a"}"#),
+        (
+            "no_kv_transfer_params",
+            "default",
+            r#"{"prompt":"mock:prefill_no_kv"}"#,
+        ),
+    ] {
+        let id = unique_id(&format!("stats-{kind}"));
+        if kind == "no_kv_transfer_params" {
+            // Decode recomputes from the client's body.
+            assert_recomputed(listener, COMPLETIONS, &id, body).await;
+        } else {
+            let request = Request::post(listener, COMPLETIONS).id(&id);
+            request.body(body).send().await;
+        }
+        failures.push((id, kind));
+    }
     let bad_id = unique_id("stats-bad");
-    post("default", "/v1/completions", &bad_id, "[]").await;
+    assert_refused(
+        "default",
+        COMPLETIONS,
+        &bad_id,
+        "[]",
+        400,
+        "not a JSON object",
+    )
+    .await;
 
     let deltas: Vec<(&str, u64)> = counters
         .iter()
@@ -127,13 +121,7 @@ async fn stats_logs_and_prefill_time_header() {
     // One warning line per failure, naming the request and the kind; nothing about the
     // request that went well.
     let log = h.envoy_log_text();
-    for (id, kind) in [
-        (&status_id, "status"),
-        (&timeout_id, "timeout"),
-        (&reset_id, "reset"),
-        (&unreachable_id, "unreachable"),
-        (&no_kv_id, "no_kv_transfer_params"),
-    ] {
+    for (id, kind) in &failures {
         let lines: Vec<&str> = log
             .lines()
             .filter(|line| line.contains(id.as_str()) && line.contains("prefill failure"))

@@ -5,6 +5,9 @@
 //!
 //! The hostile client marks its own `kv_transfer_params` ([`CLIENT_KV`]) so that they are
 //! recognised wherever they end up.
+//!
+//! The tests share one Envoy: one that crashes it fails the others too. To see each on its
+//! own, run them one at a time (`cargo test --test security -- --exact NAME`).
 
 mod common;
 #[path = "common/raw_http.rs"]
@@ -346,6 +349,7 @@ async fn a_body_that_grows_past_envoys_buffer_on_decode_is_413_or_served() {
                     _ => body.into(),
                 };
                 let reply = post_json("tight_buffer", "/v1/completions", &id, body).await;
+                eprintln!("{context}: {} {}", reply.status, reply.body);
                 assert_envoy_alive();
                 match reply.status {
                     413 => {
@@ -390,6 +394,11 @@ async fn eighty_thousand_duplicate_kv_transfer_params_do_not_crash_envoy() {
     assert!(body.len() > 1_750_000);
     let client_len = body.len();
     let reply = post_json("default", "/v1/completions", &id, body).await;
+    eprintln!(
+        "80,000 duplicates: {} {}",
+        reply.status,
+        preview(&reply.body)
+    );
     assert_envoy_alive();
     match reply.status {
         200 => {

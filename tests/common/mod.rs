@@ -12,6 +12,12 @@ use std::time::{Duration, Instant};
 
 use mock_vllm::{MockServer, RecordedRequest, Role};
 
+mod oracle;
+mod request;
+// What each leg must get (oracle) and the one test client (request); not every test uses all.
+#[allow(unused_imports)]
+pub use {oracle::*, request::*};
+
 /// How a test listener routes to decode.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum DecodeRoute {
@@ -540,56 +546,6 @@ pub fn unique_id(label: &str) -> String {
     )
 }
 
-pub fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(30))
-        .build()
-        .expect("http client")
-}
-
-pub struct Reply {
-    pub status: u16,
-    pub headers: reqwest::header::HeaderMap,
-    pub body: String,
-}
-
-impl Reply {
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.body)
-            .unwrap_or_else(|e| panic!("reply is not JSON ({e}): {}", self.body))
-    }
-
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-
-    /// Asserts an OpenAI-style error with this status whose message contains `text`.
-    pub fn assert_error(&self, status: u16, text: &str) {
-        assert_eq!(self.status, status, "body: {}", self.body);
-        let body = self.json();
-        let message = body["error"]["message"].as_str().unwrap_or_default();
-        assert!(message.contains(text), "message {message:?} lacks {text:?}");
-        assert_eq!(body["error"]["code"], status);
-        assert!(body["error"]["type"].is_string());
-    }
-}
-
-/// POSTs `body` as JSON with `x-request-id: id` to the listener.
-pub async fn post(listener: &str, path: &str, id: &str, body: impl Into<reqwest::Body>) -> Reply {
-    let request = client()
-        .post(harness().url(listener, path))
-        .header("content-type", "application/json")
-        .header("x-request-id", id)
-        .body(body);
-    send(request).await
-}
-
-pub async fn send(request: reqwest::RequestBuilder) -> Reply {
-    try_send(request)
-        .await
-        .unwrap_or_else(|e| panic!("request failed: {e}"))
-}
-
 // ---------------------------------------------------------------------------------------
 // Helpers for the reliability and load tests.
 
@@ -625,23 +581,6 @@ pub fn envoy_stats(part: &str) -> Vec<(String, u64)> {
             name.contains(part).then(|| (name.to_owned(), value))
         })
         .collect()
-}
-
-/// Like [`send`], but a failure to connect or to read the whole body is returned, not a panic
-/// (for tests where the connection is expected to break).
-pub async fn try_send(request: reqwest::RequestBuilder) -> Result<Reply, String> {
-    let response = request.send().await.map_err(|e| format!("send: {e:?}"))?;
-    let status = response.status().as_u16();
-    let headers = response.headers().clone();
-    let body = response
-        .text()
-        .await
-        .map_err(|e| format!("status {status}, body: {e:?}"))?;
-    Ok(Reply {
-        status,
-        headers,
-        body,
-    })
 }
 
 /// The mock's prompt fingerprint (FNV-1a, 64 bits, lowercase hex) of a prompt text.
