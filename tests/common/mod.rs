@@ -458,39 +458,8 @@ fn routes_yaml(route: DecodeRoute) -> &'static str {
     }
 }
 
-/// Keys of the test configurations that a filter built before them rejects (so that Envoy
-/// would not start): left out for such a build, which still runs every other test.
-const NEWER_CONFIG_KEYS: &[&str] = &["prefill_hosts_allowed"];
-
-/// The listener's plugin configuration, without the keys the built filter does not know.
-fn plugin_config_for(listener: &Listener, wasm: &Path) -> String {
-    let config = listener.plugin_config;
-    let bytes = std::fs::read(wasm).unwrap_or_default();
-    let unknown: Vec<&str> = NEWER_CONFIG_KEYS
-        .iter()
-        .copied()
-        .filter(|key| config.contains(key))
-        .filter(|key| !bytes.windows(key.len()).any(|w| w == key.as_bytes()))
-        .collect();
-    if unknown.is_empty() {
-        return config.to_owned();
-    }
-    eprintln!(
-        "note: the built filter does not know {unknown:?}; left out of listener {}",
-        listener.name
-    );
-    let mut value: serde_json::Value = serde_json::from_str(config).expect("plugin config");
-    if let Some(object) = value.as_object_mut() {
-        for key in unknown {
-            object.remove(key);
-        }
-    }
-    value.to_string()
-}
-
 fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
-    let plugin_config = plugin_config_for(listener, wasm);
-    let plugin_config = serde_json::to_string(&plugin_config).expect("json string");
+    let plugin_config = serde_json::to_string(listener.plugin_config).expect("json string");
     format!(
         r#"  - name: {name}
     address:
