@@ -4,6 +4,7 @@
 
 mod proto;
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
@@ -20,6 +21,7 @@ use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
@@ -80,6 +82,18 @@ struct Shared {
     log: Mutex<Vec<RecordedRequest>>,
     next_id: AtomicU64,
     next_block: AtomicU64,
+    /// Prefill: the KV it issued, by `remote_request_id`, and whether a decode read it.
+    kv_ledger: Mutex<HashMap<String, bool>>,
+}
+
+/// Prefill's KV blocks as a vLLM prefill worker holds them: issued with each answer, freed
+/// when a decode worker reads them (the mock decode tells the prefill it names).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct KvLedger {
+    pub issued: u64,
+    pub read: u64,
+    /// Issued and never read: what a real prefill would keep allocated.
+    pub stranded: u64,
 }
 
 /// A mock vLLM server running on the current tokio runtime; stops accepting when dropped.
@@ -100,6 +114,7 @@ impl MockServer {
             log: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             next_block: AtomicU64::new(1),
+            kv_ledger: Mutex::new(HashMap::new()),
         });
         let task = tokio::spawn(accept_loop(listener, shared.clone()));
         Ok(MockServer { shared, addr, task })
@@ -118,6 +133,11 @@ impl MockServer {
         self.shared.log.lock().unwrap().clone()
     }
 
+    /// Prefill: the KV issued, read by a decode, and stranded.
+    pub fn kv_ledger(&self) -> KvLedger {
+        self.shared.kv_ledger()
+    }
+
     /// The recorded requests whose `x-request-id` header equals `id`.
     pub fn requests_with_id(&self, id: &str) -> Vec<RecordedRequest> {
         self.shared.with_id(Some(id))
@@ -131,6 +151,17 @@ impl Drop for MockServer {
 }
 
 impl Shared {
+    fn kv_ledger(&self) -> KvLedger {
+        let ledger = self.kv_ledger.lock().unwrap();
+        let issued = ledger.len() as u64;
+        let read = ledger.values().filter(|read| **read).count() as u64;
+        KvLedger {
+            issued,
+            read,
+            stranded: issued - read,
+        }
+    }
+
     fn with_id(&self, id: Option<&str>) -> Vec<RecordedRequest> {
         let log = self.log.lock().unwrap();
         log.iter()
@@ -210,6 +241,15 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> io::Result<Respo
         if let Some(endpoint) = Endpoint::from_path(&path) {
             return inference(&shared, endpoint, req).await;
         }
+        if path == "/mock/kv/read" {
+            // A decode read the KV of this remote_request_id (NIXL's notification).
+            let id = req.into_body().collect().await.map_err(io::Error::other)?;
+            let id = String::from_utf8_lossy(&id.to_bytes()).into_owned();
+            if let Some(read) = shared.kv_ledger.lock().unwrap().get_mut(id.trim()) {
+                *read = true;
+            }
+            return Ok(Response::new(full("")));
+        }
     }
     if req.method() != Method::GET {
         return Ok(error_response(404, &format!("Not Found: {path}")));
@@ -222,6 +262,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> io::Result<Respo
                 "created": now(), "owned_by": "mock-vllm", "root": "mock-model",
                 "parent": null, "max_model_len": 4096}]}),
         ),
+        "/mock/kv" => json_response(StatusCode::OK, &serde_json::to_value(shared.kv_ledger())?),
         "/mock/requests" => {
             let id = req.uri().query().and_then(|q| query_param(q, "request_id"));
             let list = serde_json::to_value(shared.with_id(id.as_deref()))?;
@@ -356,6 +397,12 @@ async fn inference(
         body: body.to_vec(),
     });
 
+    if role == Role::Decode {
+        // A decode worker takes the KV as soon as it has the request; one cancelled later
+        // still tells prefill (vLLM's abort path), so the KV counts as read from here.
+        let request: Value = serde_json::from_slice(&body).unwrap_or_default();
+        read_remote_kv(request.get("kv_transfer_params")).await;
+    }
     let faults = Faults::parse(&String::from_utf8_lossy(&body), role);
     if let Some(ms) = faults.delay_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -450,10 +497,16 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
         let blocks = prompt_tokens.div_ceil(16);
         let first = shared.next_block.fetch_add(blocks, Ordering::Relaxed);
         let seq = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let request_id = format!("mock-prefill-{}-req-{seq}", shared.port);
+        shared
+            .kv_ledger
+            .lock()
+            .unwrap()
+            .insert(request_id.clone(), false);
         json!({
             "do_remote_prefill": true, "do_remote_decode": false,
             "remote_engine_id": format!("mock-prefill-{}", shared.port),
-            "remote_request_id": format!("mock-prefill-{}-req-{seq}", shared.port),
+            "remote_request_id": request_id,
             "remote_block_ids": (first..first + blocks).collect::<Vec<_>>(),
             "remote_host": "127.0.0.1", "remote_port": shared.port, "tp_size": 1,
             "remote_num_tokens": prompt_tokens + generated,
@@ -487,4 +540,32 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     resp.headers_mut()
         .insert("x-mock-kv", HeaderValue::from_static(outcome));
     resp
+}
+
+/// Decode: pulls the KV named by `kv_transfer_params`, which tells the prefill worker that
+/// holds it (at `remote_host:remote_port`) that it was read.
+async fn read_remote_kv(kv: Option<&Value>) {
+    let Some(kv) = kv.and_then(Value::as_object) else {
+        return;
+    };
+    let (Some(host), Some(port), Some(id)) = (
+        kv.get("remote_host").and_then(Value::as_str),
+        kv.get("remote_port").and_then(Value::as_u64),
+        kv.get("remote_request_id").and_then(Value::as_str),
+    ) else {
+        return;
+    };
+    let notify = async {
+        let mut stream = tokio::net::TcpStream::connect((host, port as u16)).await?;
+        let request = format!(
+            "POST /mock/kv/read HTTP/1.1\r\nhost: {host}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{id}",
+            id.len()
+        );
+        stream.write_all(request.as_bytes()).await?;
+        let mut answer = Vec::new();
+        stream.read_to_end(&mut answer).await?;
+        io::Result::Ok(())
+    };
+    // A prefill that cannot be told just keeps its blocks (and shows them as stranded).
+    let _ = tokio::time::timeout(Duration::from_secs(2), notify).await;
 }
