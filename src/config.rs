@@ -52,6 +52,10 @@ struct RawConfig {
     on_missing_kv_transfer_params: MissingKvPolicy,
     forward_headers: Vec<String>,
     prefill_time_header: Option<String>,
+    release_kv_on_abandon: bool,
+    decode_cluster: String,
+    max_kv_releases_in_flight: u32,
+    kv_release_timeout_ms: u64,
 }
 
 impl Default for RawConfig {
@@ -80,6 +84,10 @@ impl Default for RawConfig {
             prefill_retries: 1,
             on_prefill_failure: PrefillFailurePolicy::Fail,
             replace_local_remote_host: false,
+            release_kv_on_abandon: true,
+            decode_cluster: "decode".to_owned(),
+            max_kv_releases_in_flight: 64,
+            kv_release_timeout_ms: 30_000,
         }
     }
 }
@@ -134,6 +142,13 @@ pub struct Config {
     /// Put the scheduler-chosen prefill host into `kv_transfer_params.remote_host` when
     /// prefill reports localhost.
     pub replace_local_remote_host: bool,
+    /// Release prefill's KV when its decode leg will never run (the client left, decode was
+    /// never reached, or the filter answered an error after prefill).
+    pub release_kv_on_abandon: bool,
+    /// The decode cluster releases are sent to.
+    pub decode_cluster: String,
+    pub max_kv_releases_in_flight: u32,
+    pub kv_release_timeout: Duration,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -255,6 +270,17 @@ impl Config {
             ));
         }
 
+        if raw.release_kv_on_abandon && raw.decode_cluster.trim().is_empty() {
+            return Err(ConfigError(
+                "decode_cluster must name the decode cluster that KV releases go to".into(),
+            ));
+        }
+        if raw.kv_release_timeout_ms == 0 {
+            return Err(ConfigError(
+                "kv_release_timeout_ms must be greater than 0".into(),
+            ));
+        }
+
         Ok(Config {
             model_prefill_clusters: raw.model_prefill_clusters,
             model_header,
@@ -272,6 +298,10 @@ impl Config {
             max_request_body_bytes: raw.max_request_body_bytes,
             on_missing_kv_transfer_params: raw.on_missing_kv_transfer_params,
             forward_headers,
+            release_kv_on_abandon: raw.release_kv_on_abandon,
+            decode_cluster: raw.decode_cluster,
+            max_kv_releases_in_flight: raw.max_kv_releases_in_flight,
+            kv_release_timeout: Duration::from_millis(raw.kv_release_timeout_ms),
         })
     }
 

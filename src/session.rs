@@ -9,8 +9,9 @@ use std::time::{Duration, SystemTime};
 
 use crate::api::Api;
 use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy};
+use crate::protocol::kv_release::decode_never_read;
 use crate::protocol::paths::PathVerdict;
-use crate::protocol::rewrite::strip_kv_transfer_params;
+use crate::protocol::rewrite::{kv_release_body, strip_kv_transfer_params};
 use crate::protocol::scheduling::{
     check_model_for_header, parse_prefill_hosts, with_reachable_remote_host,
 };
@@ -19,6 +20,9 @@ use crate::protocol::{
     PrefillAnswer, PrefillFailure,
 };
 use crate::request_id::new_request_id;
+
+/// Marks the filter's KV release calls to decode, for decode's logs.
+pub const KV_RELEASE_HEADER: &str = "x-pd-kv-release";
 
 /// Header an ORIGINAL_DST cluster (`use_http_header: true`) reads the destination from.
 pub const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
@@ -42,7 +46,7 @@ pub enum Command {
     /// Makes Envoy pick the route again, with the headers as they are now.
     ClearRouteCache,
     /// Sends the prefill call; the host reports back with [`Session::on_prefill_dispatched`].
-    DispatchPrefill(PrefillCall),
+    DispatchPrefill(HttpCall),
     /// Replaces the buffered request body, `replaced_len` bytes long. The new body always
     /// fits in the configured limit.
     ReplaceRequestBody {
@@ -51,6 +55,9 @@ pub enum Command {
     },
     /// Lets a paused request go on to decode.
     ResumeRequest,
+    /// Sends a call to decode that frees prefill's KV for a request whose decode leg will
+    /// never run; it must outlive the request, and its answer only counts in the stats.
+    ReleaseKv(HttpCall),
     /// Answers the client; the request goes no further.
     SendReply(LocalReply),
     AddResponseHeader {
@@ -61,7 +68,7 @@ pub enum Command {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PrefillCall {
+pub struct HttpCall {
     pub cluster: String,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
@@ -84,6 +91,9 @@ pub enum Metric {
     DecodeOnlyFallback,
     BadRequest,
     PrefillLatency(Duration),
+    KvReleased,
+    KvReleaseFailed,
+    KvReleaseDropped,
 }
 
 /// The answer to a request callback.
@@ -137,14 +147,29 @@ enum State {
         prefill: Prefill,
         token: u32,
     },
-    /// Resumed to decode.
+    /// The client left while prefill was working: the KV it makes is released.
+    Abandoned {
+        prefill: Prefill,
+        token: Option<u32>,
+    },
+    /// Resumed to decode; until decode answers, what is needed to release the KV if decode
+    /// turns out never to have taken the request.
     Decoding {
         prefill_time: Option<Duration>,
+        unread_kv: Option<UnreadKv>,
     },
     /// The filter answered the client.
     Answered,
     /// The client is gone.
     Finished,
+}
+
+/// KV that prefill made and decode has not read yet.
+struct UnreadKv {
+    api: Api,
+    original: Vec<u8>,
+    kv_transfer_params: Vec<u8>,
+    headers: Vec<(String, String)>,
 }
 
 /// What request headers told about an orchestrated request.
@@ -183,12 +208,12 @@ impl Prefill {
         now.duration_since(self.started).unwrap_or_default()
     }
 
-    fn call(&self, body: Vec<u8>, timeout: Duration) -> PrefillCall {
+    fn call(&self, body: Vec<u8>, timeout: Duration) -> HttpCall {
         let mut headers = self.prefill_headers.clone();
         if let Some(host) = self.host() {
             headers.push((ORIGINAL_DST_HEADER.to_owned(), host.to_string()));
         }
-        PrefillCall {
+        HttpCall {
             cluster: self.cluster.clone(),
             headers,
             body,
@@ -440,6 +465,17 @@ impl Session {
     pub fn on_prefill_dispatched(&mut self, token: Option<u32>, now: SystemTime) -> Vec<Command> {
         let prefill = match std::mem::replace(&mut self.state, State::PassThrough) {
             State::Dispatching(prefill) => prefill,
+            State::Abandoned {
+                prefill,
+                token: None,
+            } => {
+                if token.is_some() {
+                    self.state = State::Abandoned { prefill, token };
+                } else {
+                    self.state = State::Finished;
+                }
+                return Vec::new();
+            }
             other => {
                 self.state = other;
                 return Vec::new();
@@ -471,15 +507,35 @@ impl Session {
         body: &[u8],
         now: SystemTime,
     ) -> Vec<Command> {
+        let Some(config) = self.config.clone() else {
+            return Vec::new();
+        };
         let prefill = match std::mem::replace(&mut self.state, State::PassThrough) {
             State::AwaitingPrefill { prefill, token: t } if t == token => prefill,
+            State::Abandoned {
+                prefill,
+                token: Some(t),
+            } if t == token => {
+                self.state = State::Finished;
+                let PrefillAnswer::KvTransferParams(kv) = read_prefill_answer(status, body) else {
+                    return Vec::new();
+                };
+                log::debug!(
+                    "[{}] the client left during prefill; releasing its KV",
+                    self.request_id
+                );
+                let unread = UnreadKv {
+                    api: prefill.api,
+                    original: prefill.original,
+                    kv_transfer_params: kv.to_vec(),
+                    headers: prefill.prefill_headers,
+                };
+                return self.release(&config, unread).into_iter().collect();
+            }
             other => {
                 self.state = other;
                 return Vec::new();
             }
-        };
-        let Some(config) = self.config.clone() else {
-            return Vec::new();
         };
         match read_prefill_answer(status, body) {
             PrefillAnswer::KvTransferParams(kv) => {
@@ -493,6 +549,13 @@ impl Session {
                     commands.extend(self.reject(&ClientError::decode_body_too_large(
                         config.max_request_body_bytes,
                     )));
+                    let unread = UnreadKv {
+                        api: prefill.api,
+                        original: prefill.original,
+                        kv_transfer_params: kv.to_vec(),
+                        headers: prefill.prefill_headers,
+                    };
+                    commands.extend(self.release(&config, unread));
                     return commands;
                 }
                 log::debug!(
@@ -506,8 +569,16 @@ impl Session {
                     replaced_len: prefill.original.len(),
                 });
                 commands.push(Command::ResumeRequest);
+                let prefill_time = Some(prefill.elapsed(now));
+                let unread_kv = config.release_kv_on_abandon.then(|| UnreadKv {
+                    api: prefill.api,
+                    kv_transfer_params: kv.to_vec(),
+                    original: prefill.original,
+                    headers: prefill.prefill_headers,
+                });
                 self.state = State::Decoding {
-                    prefill_time: Some(prefill.elapsed(now)),
+                    prefill_time,
+                    unread_kv,
                 };
                 commands
             }
@@ -614,6 +685,7 @@ impl Session {
         commands.push(Command::ResumeRequest);
         self.state = State::Decoding {
             prefill_time: Some(prefill.elapsed(now)),
+            unread_kv: None,
         };
         commands
     }
@@ -632,23 +704,50 @@ impl Session {
         ]
     }
 
-    pub fn on_response_headers(&mut self) -> Vec<Command> {
-        let header = self
-            .config
-            .as_ref()
-            .and_then(|config| config.prefill_time_header.clone());
-        match (&self.state, header) {
-            (
-                State::Decoding {
-                    prefill_time: Some(elapsed),
-                },
-                Some(name),
-            ) => vec![Command::AddResponseHeader {
-                name,
+    /// Whether [`Session::on_response_headers`] needs Envoy's `response.code_details`: only
+    /// while decode may not have taken the KV prefill made.
+    pub fn wants_response_details(&self) -> bool {
+        matches!(
+            self.state,
+            State::Decoding {
+                unread_kv: Some(_),
+                ..
+            }
+        )
+    }
+
+    /// The response to the client begins. `code_details` is Envoy's account of where it came
+    /// from (`via_upstream` for decode's own answer).
+    pub fn on_response_headers(&mut self, code_details: Option<&str>) -> Vec<Command> {
+        let Some(config) = self.config.clone() else {
+            return Vec::new();
+        };
+        let State::Decoding {
+            prefill_time,
+            unread_kv,
+        } = &mut self.state
+        else {
+            return Vec::new();
+        };
+        let mut commands = Vec::new();
+        if let (Some(name), Some(elapsed)) = (&config.prefill_time_header, prefill_time) {
+            commands.push(Command::AddResponseHeader {
+                name: name.clone(),
                 value: elapsed.as_millis().to_string(),
-            }],
-            _ => Vec::new(),
+            });
         }
+        // Decode has the request from here on, or never will.
+        if let Some(unread) = unread_kv.take() {
+            if code_details.is_some_and(decode_never_read) {
+                log::debug!(
+                    "[{}] decode was never reached ({}); releasing the KV",
+                    self.request_id,
+                    code_details.unwrap_or_default()
+                );
+                commands.extend(self.release(&config, unread));
+            }
+        }
+        commands
     }
 
     /// A host call failed; the request cannot go on as planned.
@@ -658,12 +757,48 @@ impl Session {
             HostFailure::ReplaceRequestBody => "pd-filter could not write the decode request body",
         };
         log::error!("[{}] {message}", self.request_id);
-        vec![self.reply(&ClientError::internal(message))]
+        let unread = match std::mem::replace(&mut self.state, State::PassThrough) {
+            State::Decoding { unread_kv, .. } => unread_kv,
+            _ => None,
+        };
+        let mut commands = vec![self.reply(&ClientError::internal(message))];
+        if let (Some(config), Some(unread)) = (self.config.clone(), unread) {
+            commands.extend(self.release(&config, unread));
+        }
+        commands
     }
 
-    /// The client went away (or the stream ended): an answer still to come is not used.
+    /// The client went away, or the stream ended: prefill work still under way is released
+    /// when it answers. A request already with decode needs nothing: decode has its KV.
     pub fn on_client_gone(&mut self) {
-        self.state = State::Finished;
+        self.state = match std::mem::replace(&mut self.state, State::Finished) {
+            State::Dispatching(prefill) => State::Abandoned {
+                prefill,
+                token: None,
+            },
+            State::AwaitingPrefill { prefill, token } => State::Abandoned {
+                prefill,
+                token: Some(token),
+            },
+            abandoned @ State::Abandoned { .. } => abandoned,
+            _ => State::Finished,
+        };
+    }
+
+    /// The call that frees prefill's KV for a request decode will not run, if so configured.
+    fn release(&self, config: &Config, unread: UnreadKv) -> Option<Command> {
+        if !config.release_kv_on_abandon {
+            return None;
+        }
+        let body = kv_release_body(unread.api, &unread.original, &unread.kv_transfer_params)?;
+        let mut headers = unread.headers;
+        headers.push((KV_RELEASE_HEADER.to_owned(), "1".to_owned()));
+        Some(Command::ReleaseKv(HttpCall {
+            cluster: config.decode_cluster.clone(),
+            headers,
+            body,
+            timeout: config.kv_release_timeout,
+        }))
     }
 
     fn hold_or_continue(&self) -> Step {

@@ -4,6 +4,7 @@
 //! client is answered when something is wrong ([`errors`]).
 
 pub mod errors;
+pub mod kv_release;
 pub mod paths;
 pub mod prefill_answer;
 pub mod rewrite;

@@ -97,7 +97,8 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
         ClientError::bad_request(format!("request body {what}: {e}"))
     })?;
     refuse_nested_kv_transfer_params(&object)?;
-    let prefill_body = prefill_splice(api, &object).write(json_text(body, json_start), b"");
+    let prefill_body = one_token_splice(api, &object, Edit::Replace(REMOTE_DECODE_REQUEST))
+        .write(json_text(body, json_start), b"");
 
     let has_client_kv = object.has(KV_TRANSFER_PARAMS);
     let kv_edit = |edit: Edit| {
@@ -186,16 +187,31 @@ fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientErr
     }
 }
 
-/// The client's body capped to one generated token, not streamed, asking for remote decode.
-/// Each field that is edited appears once, however often the client repeated it.
-fn prefill_splice(api: Api, object: &JsonObject) -> Splice {
+/// A request that makes a decode worker take the KV prefill made for `body` and generate
+/// one token: what releases the KV of a request whose decode leg will never run. `None` when
+/// the body is not a JSON object (it was one when prefill ran, so never in practice).
+pub fn kv_release_body(api: Api, body: &[u8], kv_transfer_params: &[u8]) -> Option<Vec<u8>> {
+    let json_start = if body.starts_with(UTF8_BOM) {
+        UTF8_BOM.len()
+    } else {
+        0
+    };
+    let text = json_text(body, json_start);
+    let object = JsonObject::parse(text).ok()?;
+    Some(one_token_splice(api, &object, Edit::Slot).write(text, kv_transfer_params))
+}
+
+/// The client's body capped to one generated token, not streamed, with `kv` as its
+/// `kv_transfer_params` (for prefill: asking for remote decode). Each field that is edited
+/// appears once, however often the client repeated it.
+fn one_token_splice(api: Api, object: &JsonObject, kv: Edit) -> Splice {
     const ONE: &[u8] = b"1";
     let edit = |key: &str| match key {
         "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n" => Edit::Replace(ONE),
         "stream" => Edit::Replace(b"false"),
         // A background response answers at once, before prefill has run.
         "background" if api == Api::Responses => Edit::Replace(b"false"),
-        KV_TRANSFER_PARAMS => Edit::Replace(REMOTE_DECODE_REQUEST),
+        KV_TRANSFER_PARAMS => kv,
         "min_tokens" | "min_completion_tokens" | "stream_options" => Edit::Remove,
         _ => Edit::Keep,
     };
@@ -210,7 +226,7 @@ fn prefill_splice(api: Api, object: &JsonObject) -> Splice {
         append.push(("stream", Edit::Replace(b"false")));
     }
     if !object.has(KV_TRANSFER_PARAMS) {
-        append.push((KV_TRANSFER_PARAMS, Edit::Replace(REMOTE_DECODE_REQUEST)));
+        append.push((KV_TRANSFER_PARAMS, kv));
     }
     object.splice(edit, &append)
 }
@@ -405,6 +421,20 @@ mod tests {
         );
         assert_eq!(strip_kv_transfer_params(br#"{"x":1}"#), Ok(None));
         assert_eq!(strip_kv_transfer_params(b"not json"), Ok(None));
+    }
+
+    #[test]
+    fn a_release_asks_decode_for_one_token_on_prefills_kv() {
+        let body = br#"{"prompt":"x","max_tokens":90,"stream":true,"kv_transfer_params":{"a":1}}"#;
+        let release: Value = serde_json::from_slice(
+            &kv_release_body(Api::Completions, body, br#"{"k":2}"#).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            release,
+            json!({"prompt":"x","max_tokens":1,"stream":false,"kv_transfer_params":{"k":2}})
+        );
+        assert_eq!(kv_release_body(Api::Completions, b"[]", b"{}"), None);
     }
 
     #[test]

@@ -61,7 +61,7 @@ fn reply(commands: &[Command]) -> (u16, Value) {
         .unwrap_or_else(|| panic!("no reply in {commands:?}"))
 }
 
-fn dispatched(commands: &[Command]) -> &PrefillCall {
+fn dispatched(commands: &[Command]) -> &HttpCall {
     commands
         .iter()
         .find_map(|c| match c {
@@ -71,7 +71,7 @@ fn dispatched(commands: &[Command]) -> &PrefillCall {
         .unwrap_or_else(|| panic!("no prefill call in {commands:?}"))
 }
 
-fn call_header<'a>(call: &'a PrefillCall, name: &str) -> Option<&'a str> {
+fn call_header<'a>(call: &'a HttpCall, name: &str) -> Option<&'a str> {
     call.headers
         .iter()
         .find(|(n, _)| n == name)
@@ -152,7 +152,7 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
     ))));
 
     assert_eq!(
-        session.on_response_headers(),
+        session.on_response_headers(Some("via_upstream")),
         vec![Command::AddResponseHeader {
             name: "x-pd-prefill-ms".into(),
             value: "40".into()
@@ -274,6 +274,110 @@ fn a_decode_body_that_would_not_fit_is_413_and_never_written() {
     assert_eq!(reply(&commands).0, 413);
     assert!(replaced_body(&commands).is_none());
     assert!(!commands.contains(&Command::ResumeRequest));
+    // Prefill's KV will never be read: it is released.
+    released(&commands);
+}
+
+fn released(commands: &[Command]) -> Value {
+    let call = commands
+        .iter()
+        .find_map(|c| match c {
+            Command::ReleaseKv(call) => Some(call),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no release in {commands:?}"));
+    assert_eq!(call.cluster, "decode");
+    assert_eq!(call.timeout, Duration::from_secs(30));
+    assert_eq!(call_header(call, ORIGINAL_DST_HEADER), None);
+    assert_eq!(call_header(call, KV_RELEASE_HEADER), Some("1"));
+    serde_json::from_slice(&call.body).unwrap()
+}
+
+fn has_release(commands: &[Command]) -> bool {
+    commands.iter().any(|c| matches!(c, Command::ReleaseKv(_)))
+}
+
+/// A request whose prefill call went out (token 1).
+fn prefilling(config: &str) -> Session {
+    let mut s = session(config);
+    send(
+        &mut s,
+        &post("/v1/completions"),
+        r#"{"prompt":"x","max_tokens":50,"stream":true}"#,
+    );
+    s.on_prefill_dispatched(Some(1), at(0));
+    s
+}
+
+#[test]
+fn a_client_that_leaves_during_prefill_has_its_kv_released() {
+    let mut s = prefilling("");
+    s.on_client_gone();
+    let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(900));
+    let release = released(&commands);
+    let kv: Value = serde_json::from_str(KV).unwrap();
+    assert_eq!(release["kv_transfer_params"], kv);
+    assert_eq!(release["max_tokens"], 1);
+    assert_eq!(release["stream"], false);
+    assert_eq!(release["prompt"], "x");
+    assert!(!has_reply(&commands));
+    assert!(!commands.contains(&Command::ResumeRequest));
+    // Nothing twice.
+    assert!(s
+        .on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(901))
+        .is_empty());
+
+    // Gone before the call went out: released once it answers.
+    let mut s = session("");
+    send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+    s.on_client_gone();
+    assert!(s.on_prefill_dispatched(Some(3), at(1)).is_empty());
+    released(&s.on_prefill_answer(3, Some(200), prefill_ok().as_bytes(), at(2)));
+
+    // No KV, nothing to release; not configured, nothing released.
+    let mut s = prefilling("");
+    s.on_client_gone();
+    assert!(s.on_prefill_answer(1, Some(503), b"", at(2)).is_empty());
+    let mut s = prefilling(r#"{"release_kv_on_abandon":false}"#);
+    s.on_client_gone();
+    assert!(s
+        .on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(2))
+        .is_empty());
+}
+
+#[test]
+fn kv_is_released_only_when_decode_never_took_the_request() {
+    let unreachable = "upstream_reset_before_response_started{remote_connection_failure}";
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    released(&s.on_response_headers(Some(unreachable)));
+    assert!(s.on_response_headers(Some(unreachable)).is_empty(), "once");
+
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert!(!has_release(&s.on_response_headers(Some("via_upstream"))));
+
+    // The client leaving mid-stream: decode has the KV already.
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    s.on_response_headers(Some("via_upstream"));
+    s.on_client_gone();
+    let mut s2 = prefilling("");
+    s2.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    s2.on_client_gone();
+    assert!(s2.on_response_headers(Some(unreachable)).is_empty());
+
+    // Without kv_transfer_params (decode only) there is nothing to release.
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), b"{}", at(5));
+    assert!(!has_release(&s.on_response_headers(Some(unreachable))));
+
+    // A body that could not be written: the client gets 500, the KV is released.
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    let commands = s.on_host_failure(HostFailure::ReplaceRequestBody);
+    assert_eq!(reply(&commands).0, 500);
+    released(&commands);
 }
 
 #[test]
@@ -429,9 +533,8 @@ fn answers_for_other_calls_or_gone_clients_change_nothing() {
         .on_prefill_answer(4, Some(200), prefill_ok().as_bytes(), at(1))
         .is_empty());
     s.on_client_gone();
-    assert!(s
-        .on_prefill_answer(5, Some(200), prefill_ok().as_bytes(), at(2))
-        .is_empty());
+    let commands = s.on_prefill_answer(5, Some(200), prefill_ok().as_bytes(), at(2));
+    assert!(commands.iter().all(|c| matches!(c, Command::ReleaseKv(_))));
     assert!(s.on_prefill_dispatched(Some(6), at(3)).is_empty());
 }
 

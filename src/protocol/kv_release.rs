@@ -1,0 +1,93 @@
+//! Releasing the KV a prefill worker holds for a request whose decode leg will never run:
+//! vLLM frees prefill's blocks once a decode worker has read them, so a one-token request
+//! carrying the same `kv_transfer_params` to decode frees them at once instead of when
+//! prefill gives up on them.
+
+/// Whether Envoy answered the decode leg itself without a decode worker ever taking the
+/// request: a connection that never opened, no host, no cluster, no route, a full pool.
+/// `code_details` is Envoy's `response.code_details` (`via_upstream` for a decode answer).
+pub fn decode_never_read(code_details: &str) -> bool {
+    const NEVER_SENT: [&str; 5] = [
+        "connection_failure",
+        "no_healthy_upstream",
+        "cluster_not_found",
+        "route_not_found",
+        "overflow",
+    ];
+    code_details != "via_upstream" && NEVER_SENT.iter().any(|what| code_details.contains(what))
+}
+
+/// Whether decode took the release (its answer is otherwise discarded).
+pub fn release_succeeded(status: Option<u16>) -> bool {
+    status.is_some_and(|status| (200..300).contains(&status))
+}
+
+/// Releases in flight on one worker, bounded: past the bound a release is dropped (and
+/// counted) rather than queued, so that an abandoning crowd cannot pile up callouts.
+#[derive(Debug)]
+pub struct ReleaseBudget {
+    in_flight: u32,
+    max: u32,
+}
+
+impl ReleaseBudget {
+    pub fn new(max: u32) -> ReleaseBudget {
+        ReleaseBudget { in_flight: 0, max }
+    }
+
+    /// Takes a slot for one release; `false` when the bound is reached.
+    pub fn try_start(&mut self) -> bool {
+        if self.in_flight >= self.max {
+            return false;
+        }
+        self.in_flight += 1;
+        true
+    }
+
+    pub fn finish(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_answers_envoy_made_before_decode_took_the_request_need_a_release() {
+        for never in [
+            "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}",
+            "upstream_reset_before_response_started{connection_failure}",
+            "no_healthy_upstream",
+            "cluster_not_found",
+            "route_not_found",
+            "upstream_reset_before_response_started{overflow}",
+        ] {
+            assert!(decode_never_read(never), "{never}");
+        }
+        for read in [
+            "via_upstream",
+            "upstream_reset_after_response_started{remote_reset}",
+            "response_timeout",
+            "upstream_reset_before_response_started{remote_reset}",
+        ] {
+            assert!(!decode_never_read(read), "{read}");
+        }
+    }
+
+    #[test]
+    fn the_budget_bounds_releases_in_flight() {
+        let mut budget = ReleaseBudget::new(2);
+        assert!(budget.try_start());
+        assert!(budget.try_start());
+        assert!(!budget.try_start());
+        budget.finish();
+        assert!(budget.try_start());
+        let mut none = ReleaseBudget::new(0);
+        assert!(!none.try_start());
+        none.finish();
+        assert!(release_succeeded(Some(200)));
+        assert!(!release_succeeded(Some(503)));
+        assert!(!release_succeeded(None));
+    }
+}
