@@ -2,7 +2,15 @@
 //! the session's commands into host calls, and decides nothing itself. Every host call goes
 //! through `hostcalls` so that an unexpected host status is handled as a value instead of
 //! panicking the VM (the SDK's trait helpers unwrap).
+//!
+//! Callouts belong to the worker's root context, not to the request: the SDK delivers an
+//! answer only to the context that sent the call, and a request's context is gone once its
+//! client is, while prefill's answer (and the KV it holds) still comes. A request hands its
+//! calls to the root through a per-worker shared queue; the root sends them, reads their
+//! answers, and acts on the request (its effective context) while the client is there.
 
+use std::cell::{Cell, OnceCell, RefCell};
+use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -11,74 +19,56 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::config::Config;
-use crate::session::{BodyStep, Command, Flow, HostFailure, Session, Step};
+use crate::protocol::kv_release::{release_succeeded, ReleaseBudget};
+use crate::request_id::new_request_id;
+use crate::session::{BodyStep, Command, Flow, HostFailure, HttpCall, Metric, Session, Step};
 use crate::stats::Stats;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(PdRoot { config: None, stats: None })
+        Box::new(PdRoot { config: None, worker: Rc::new(Worker::new()) })
     });
 }}
 
 struct PdRoot {
     config: Option<Rc<Config>>,
-    stats: Option<Rc<Stats>>,
+    worker: Rc<Worker>,
 }
 
-impl Context for PdRoot {}
-
-impl RootContext for PdRoot {
-    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        // Follow Envoy's level, so that debug lines cost nothing per request unless asked for.
-        if let Ok(level) = hostcalls::get_log_level() {
-            proxy_wasm::set_log_level(level);
-        }
-        if self.stats.is_none() {
-            self.stats = Some(Rc::new(Stats::define()));
-        }
-        match Config::from_json(&bytes) {
-            Ok(config) => {
-                log::info!(
-                    "pd-filter configured: prefill cluster {:?}, {} paths, prefill timeout {:?}",
-                    config.prefill_cluster,
-                    config.orchestrated_paths.len(),
-                    config.prefill_timeout
-                );
-                self.config = Some(Rc::new(config));
-                true
-            }
-            Err(error) => {
-                log::error!("{error}");
-                false
-            }
-        }
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
-    }
-
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        // Defining metrics is a host call per metric: never per request.
-        let stats = self
-            .stats
-            .clone()
-            .unwrap_or_else(|| Rc::new(Stats::disabled()));
-        Some(Box::new(PdRequest {
-            session: Session::new(self.config.clone()),
-            stats,
-        }))
-    }
+/// What one worker's root context shares with its requests.
+struct Worker {
+    stats: OnceCell<Stats>,
+    queue: Cell<Option<u32>>,
+    wake_pending: Cell<bool>,
+    jobs: RefCell<VecDeque<Job>>,
+    calls: RefCell<HashMap<u32, Caller>>,
+    releases: RefCell<ReleaseBudget>,
 }
 
-struct PdRequest {
-    session: Session,
-    stats: Rc<Stats>,
+/// A request, shared by its own context and the root (which outlives it).
+struct Request {
+    context_id: u32,
+    session: RefCell<Session>,
+    alive: Cell<bool>,
+}
+
+enum Job {
+    Prefill(Rc<Request>, HttpCall),
+    Release(HttpCall),
+}
+
+enum Caller {
+    Prefill(Rc<Request>),
+    Release,
+}
+
+/// Which context a callback runs in: the root must make the request's stream the effective
+/// context before acting on it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum In {
+    Root,
+    Request,
 }
 
 fn now() -> SystemTime {
@@ -99,7 +89,272 @@ fn action(flow: Flow) -> Action {
     }
 }
 
-impl Context for PdRequest {
+impl Worker {
+    fn new() -> Worker {
+        Worker {
+            stats: OnceCell::new(),
+            queue: Cell::new(None),
+            wake_pending: Cell::new(false),
+            jobs: RefCell::new(VecDeque::new()),
+            calls: RefCell::new(HashMap::new()),
+            releases: RefCell::new(ReleaseBudget::new(0)),
+        }
+    }
+
+    fn record(&self, metric: Metric) {
+        if let Some(stats) = self.stats.get() {
+            stats.record(metric);
+        }
+    }
+
+    /// Hands a call to the root; sent at once where there is no queue to hand it over.
+    fn hand_over(&self, job: Job, now: SystemTime) {
+        let Some(queue) = self.queue.get() else {
+            self.run_job(job, In::Request, now);
+            return;
+        };
+        self.jobs.borrow_mut().push_back(job);
+        if !self.wake_pending.get() {
+            match hostcalls::enqueue_shared_queue(queue, Some(b"1")) {
+                Ok(()) => self.wake_pending.set(true),
+                Err(status) => {
+                    log::warn!("could not wake the root context: {status:?}");
+                    let job = self.jobs.borrow_mut().pop_back();
+                    if let Some(job) = job {
+                        self.run_job(job, In::Request, now);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The root's turn: every call handed over since the last one.
+    fn on_queue_ready(&self, queue: u32) {
+        while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue) {}
+        self.wake_pending.set(false);
+        loop {
+            let job = self.jobs.borrow_mut().pop_front();
+            let Some(job) = job else { break };
+            self.run_job(job, In::Root, now());
+        }
+    }
+
+    fn run_job(&self, job: Job, context: In, now: SystemTime) {
+        match job {
+            // Nothing to do for a client gone before its prefill went out.
+            Job::Prefill(request, _) if !request.alive.get() => {}
+            Job::Prefill(request, call) => self.dispatch_prefill(&request, &call, context, now),
+            Job::Release(call) => self.dispatch_release(&call),
+        }
+    }
+
+    fn dispatch(&self, call: &HttpCall) -> Option<u32> {
+        hostcalls::dispatch_http_call(
+            &call.cluster,
+            as_pairs(&call.headers),
+            Some(&call.body),
+            vec![],
+            call.timeout,
+        )
+        .map_err(|status| log::debug!("dispatch_http_call to {:?}: {status:?}", call.cluster))
+        .ok()
+    }
+
+    fn dispatch_prefill(
+        &self,
+        request: &Rc<Request>,
+        call: &HttpCall,
+        context: In,
+        now: SystemTime,
+    ) {
+        let token = self.dispatch(call);
+        if let Some(token) = token {
+            self.calls
+                .borrow_mut()
+                .insert(token, Caller::Prefill(request.clone()));
+        }
+        let commands = request
+            .session
+            .borrow_mut()
+            .on_prefill_dispatched(token, now);
+        self.act_on(request, commands, context, now);
+    }
+
+    fn dispatch_release(&self, call: &HttpCall) {
+        if !self.releases.borrow_mut().try_start() {
+            self.record(Metric::KvReleaseDropped);
+            return;
+        }
+        match self.dispatch(call) {
+            Some(token) => {
+                self.calls.borrow_mut().insert(token, Caller::Release);
+            }
+            None => {
+                self.releases.borrow_mut().finish();
+                self.record(Metric::KvReleaseFailed);
+            }
+        }
+    }
+
+    /// The answer to a call, read in the context that receives it.
+    fn on_answer(&self, token: u32, body_size: usize, context: In) {
+        let caller = self.calls.borrow_mut().remove(&token);
+        // A reset callout has no headers at all: read them as a list, never `:status` by name.
+        let status = hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|(name, _)| name == ":status")
+            .and_then(|(_, value)| std::str::from_utf8(&value).ok()?.parse::<u16>().ok());
+        match caller {
+            Some(Caller::Prefill(request)) => {
+                let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_default();
+                let now = now();
+                let commands = request
+                    .session
+                    .borrow_mut()
+                    .on_prefill_answer(token, status, &body, now);
+                self.act_on(&request, commands, context, now);
+            }
+            Some(Caller::Release) => {
+                self.releases.borrow_mut().finish();
+                let released = release_succeeded(status);
+                log::debug!("KV release answered {status:?}");
+                self.record(if released {
+                    Metric::KvReleased
+                } else {
+                    Metric::KvReleaseFailed
+                });
+            }
+            None => {}
+        }
+    }
+
+    /// Carries out a request's commands. Only calls that outlive it run for a gone client.
+    fn act_on(&self, request: &Rc<Request>, commands: Vec<Command>, context: In, now: SystemTime) {
+        if commands.is_empty() {
+            return;
+        }
+        let alive = request.alive.get();
+        if alive && context == In::Root {
+            if let Err(status) = hostcalls::set_effective_context(request.context_id) {
+                log::debug!("set_effective_context: {status:?}");
+                return;
+            }
+        }
+        let mut queue = VecDeque::from(commands);
+        while let Some(command) = queue.pop_front() {
+            let follow_up = match command {
+                Command::DispatchPrefill(call) => {
+                    self.prefill_call(request, call, context, now);
+                    Vec::new()
+                }
+                Command::ReleaseKv(call) => {
+                    self.release_call(call, context, now);
+                    Vec::new()
+                }
+                Command::Record(metric) => {
+                    self.record(metric);
+                    Vec::new()
+                }
+                command if alive => perform(request, command),
+                _ => Vec::new(),
+            };
+            for command in follow_up.into_iter().rev() {
+                queue.push_front(command);
+            }
+        }
+    }
+
+    fn prefill_call(&self, request: &Rc<Request>, call: HttpCall, context: In, now: SystemTime) {
+        match context {
+            // Already the root's turn (a retry): send it now.
+            In::Root => self.dispatch_prefill(request, &call, In::Root, now),
+            In::Request => self.hand_over(Job::Prefill(request.clone(), call), now),
+        }
+    }
+
+    fn release_call(&self, call: HttpCall, context: In, now: SystemTime) {
+        match context {
+            In::Root => self.dispatch_release(&call),
+            In::Request => self.hand_over(Job::Release(call), now),
+        }
+    }
+}
+
+/// Carries out one command on the request's stream; a command whose result the session
+/// needs returns the session's next commands.
+fn perform(request: &Request, command: Command) -> Vec<Command> {
+    let session = &request.session;
+    let request_id = || session.borrow().request_id().to_owned();
+    match command {
+        Command::SetRequestHeader { name, value } => {
+            if let Err(status) =
+                hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, Some(&value))
+            {
+                log::warn!(
+                    "[{}] could not set request header {name}: {status:?}",
+                    request_id()
+                );
+            }
+        }
+        Command::RemoveRequestHeader(name) => {
+            if let Err(status) = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None)
+            {
+                log::warn!(
+                    "[{}] could not remove request header {name}: {status:?}",
+                    request_id()
+                );
+            }
+        }
+        Command::ClearRouteCache => {
+            let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+        }
+        Command::ReplaceRequestBody { body, replaced_len } => {
+            if let Err(status) =
+                hostcalls::set_buffer(BufferType::HttpRequestBody, 0, replaced_len, &body)
+            {
+                log::debug!("[{}] set_buffer(HttpRequestBody): {status:?}", request_id());
+                return session
+                    .borrow_mut()
+                    .on_host_failure(HostFailure::ReplaceRequestBody);
+            }
+        }
+        Command::ResumeRequest => {
+            if let Err(status) = hostcalls::resume_http_request() {
+                log::error!(
+                    "[{}] could not resume the request: {status:?}",
+                    request_id()
+                );
+            }
+        }
+        Command::SendReply(reply) => {
+            let headers = as_pairs(&reply.headers);
+            if let Err(status) =
+                hostcalls::send_http_response(u32::from(reply.status), headers, Some(&reply.body))
+            {
+                log::error!(
+                    "[{}] could not send the error reply: {status:?}",
+                    request_id()
+                );
+            }
+        }
+        Command::AddResponseHeader { name, value } => {
+            if let Err(status) =
+                hostcalls::add_map_value(MapType::HttpResponseHeaders, &name, &value)
+            {
+                log::warn!("[{}] could not add {name}: {status:?}", request_id());
+            }
+        }
+        // Handled by the worker.
+        Command::DispatchPrefill(_) | Command::ReleaseKv(_) | Command::Record(_) => {}
+    }
+    Vec::new()
+}
+
+impl Context for PdRoot {
     fn on_http_call_response(
         &mut self,
         token_id: u32,
@@ -107,24 +362,91 @@ impl Context for PdRequest {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        // A reset callout has no headers at all: read them as a list, never `:status` by name.
-        let status = hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders)
-            .unwrap_or_default()
-            .into_iter()
-            .find(|(name, _)| name == ":status")
-            .and_then(|(_, value)| std::str::from_utf8(&value).ok()?.parse::<u16>().ok());
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+        self.worker.on_answer(token_id, body_size, In::Root);
+    }
+}
+
+impl RootContext for PdRoot {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
             .ok()
             .flatten()
             .unwrap_or_default();
-        let commands = self
-            .session
-            .on_prefill_answer(token_id, status, &body, now());
-        self.execute(commands);
+        // Follow Envoy's level, so that debug lines cost nothing per request unless asked for.
+        if let Ok(level) = hostcalls::get_log_level() {
+            proxy_wasm::set_log_level(level);
+        }
+        let _ = self.worker.stats.get_or_init(Stats::define);
+        if self.worker.queue.get().is_none() {
+            // One queue per worker: a name shared by workers would hand calls across threads.
+            let name = format!("pd-filter-{}", new_request_id());
+            match hostcalls::register_shared_queue(&name) {
+                Ok(queue) => self.worker.queue.set(Some(queue)),
+                Err(status) => log::warn!(
+                    "no shared queue ({status:?}): prefill answers for clients that left are lost"
+                ),
+            }
+        }
+        match Config::from_json(&bytes) {
+            Ok(config) => {
+                log::info!(
+                    "pd-filter configured: prefill cluster {:?}, {} paths, prefill timeout {:?}",
+                    config.prefill_cluster,
+                    config.orchestrated_paths.len(),
+                    config.prefill_timeout
+                );
+                *self.worker.releases.borrow_mut() =
+                    ReleaseBudget::new(config.max_kv_releases_in_flight);
+                self.config = Some(Rc::new(config));
+                true
+            }
+            Err(error) => {
+                log::error!("{error}");
+                false
+            }
+        }
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        self.worker.on_queue_ready(queue_id);
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(PdRequest {
+            request: Rc::new(Request {
+                context_id,
+                session: RefCell::new(Session::new(self.config.clone())),
+                alive: Cell::new(true),
+            }),
+            worker: self.worker.clone(),
+        }))
+    }
+}
+
+struct PdRequest {
+    request: Rc<Request>,
+    worker: Rc<Worker>,
+}
+
+impl Context for PdRequest {
+    /// Only calls sent while the worker had no queue answer here.
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        _num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        self.worker.on_answer(token_id, body_size, In::Request);
     }
 
     fn on_done(&mut self) -> bool {
-        self.session.on_client_gone();
+        self.request.alive.set(false);
+        self.request.session.borrow_mut().on_client_gone();
         true
     }
 }
@@ -133,23 +455,42 @@ impl HttpContext for PdRequest {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         // One host call for all headers rather than one per header.
         let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
-        let step = self.session.on_request_headers(&headers, end_of_stream);
+        let step = self
+            .request
+            .session
+            .borrow_mut()
+            .on_request_headers(&headers, end_of_stream);
         self.run(step)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let step = self.session.on_request_body(body_size, end_of_stream);
+        let step = self
+            .request
+            .session
+            .borrow_mut()
+            .on_request_body(body_size, end_of_stream);
         self.run_body_step(step)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        let step = self.session.on_request_trailers();
+        let step = self.request.session.borrow_mut().on_request_trailers();
         self.run_body_step(step)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let commands = self.session.on_response_headers();
-        self.execute(commands);
+        let wanted = self.request.session.borrow().wants_response_details();
+        let details = wanted
+            .then(|| hostcalls::get_property(vec!["response", "code_details"]).ok())
+            .flatten()
+            .flatten()
+            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
+        let commands = self
+            .request
+            .session
+            .borrow_mut()
+            .on_response_headers(details.as_deref());
+        self.worker
+            .act_on(&self.request, commands, In::Request, now());
         Action::Continue
     }
 }
@@ -159,111 +500,34 @@ impl PdRequest {
         match step {
             BodyStep::Step(step) => self.run(step),
             BodyStep::ReadBody => {
-                match hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX) {
-                    Ok(body) => {
-                        let step = self
-                            .session
-                            .on_request_complete(body.unwrap_or_default(), now());
-                        self.run(step)
-                    }
+                let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX);
+                let step = match body {
+                    Ok(body) => self
+                        .request
+                        .session
+                        .borrow_mut()
+                        .on_request_complete(body.unwrap_or_default(), now()),
                     Err(status) => {
                         log::debug!("get_buffer(HttpRequestBody): {status:?}");
-                        let commands = self.session.on_host_failure(HostFailure::ReadRequestBody);
-                        self.execute(commands);
-                        Action::Pause
+                        let commands = self
+                            .request
+                            .session
+                            .borrow_mut()
+                            .on_host_failure(HostFailure::ReadRequestBody);
+                        Step {
+                            flow: Flow::Pause,
+                            commands,
+                        }
                     }
-                }
+                };
+                self.run(step)
             }
         }
     }
 
     fn run(&mut self, step: Step) -> Action {
-        self.execute(step.commands);
+        self.worker
+            .act_on(&self.request, step.commands, In::Request, now());
         action(step.flow)
-    }
-
-    fn execute(&mut self, commands: Vec<Command>) {
-        let mut queue = std::collections::VecDeque::from(commands);
-        while let Some(command) = queue.pop_front() {
-            let follow_up = self.perform(command);
-            for command in follow_up.into_iter().rev() {
-                queue.push_front(command);
-            }
-        }
-    }
-
-    /// Carries out one command; a command whose result the session needs returns the
-    /// session's next commands.
-    fn perform(&mut self, command: Command) -> Vec<Command> {
-        let request_id = self.session.request_id();
-        match command {
-            Command::SetRequestHeader { name, value } => {
-                if let Err(status) =
-                    hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, Some(&value))
-                {
-                    log::warn!("[{request_id}] could not set request header {name}: {status:?}");
-                }
-            }
-            Command::RemoveRequestHeader(name) => {
-                if let Err(status) =
-                    hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None)
-                {
-                    log::warn!("[{request_id}] could not remove request header {name}: {status:?}");
-                }
-            }
-            Command::ClearRouteCache => {
-                let _ = hostcalls::call_foreign_function("clear_route_cache", None);
-            }
-            Command::DispatchPrefill(call) => {
-                let headers = as_pairs(&call.headers);
-                // The trait method, not `hostcalls`: the SDK must know the token to route
-                // the answer back to this context.
-                let token = self
-                    .dispatch_http_call(
-                        &call.cluster,
-                        headers,
-                        Some(&call.body),
-                        vec![],
-                        call.timeout,
-                    )
-                    .map_err(|status| log::debug!("dispatch_http_call: {status:?}"))
-                    .ok();
-                return self.session.on_prefill_dispatched(token, now());
-            }
-            Command::ReplaceRequestBody { body, replaced_len } => {
-                if let Err(status) =
-                    hostcalls::set_buffer(BufferType::HttpRequestBody, 0, replaced_len, &body)
-                {
-                    log::debug!("[{request_id}] set_buffer(HttpRequestBody): {status:?}");
-                    return self
-                        .session
-                        .on_host_failure(HostFailure::ReplaceRequestBody);
-                }
-            }
-            Command::ResumeRequest => {
-                if let Err(status) = hostcalls::resume_http_request() {
-                    log::error!("[{request_id}] could not resume the request: {status:?}");
-                }
-            }
-            Command::SendReply(reply) => {
-                let headers = as_pairs(&reply.headers);
-                if let Err(status) = hostcalls::send_http_response(
-                    u32::from(reply.status),
-                    headers,
-                    Some(&reply.body),
-                ) {
-                    log::error!("[{request_id}] could not send the error reply: {status:?}");
-                }
-            }
-            Command::AddResponseHeader { name, value } => {
-                if let Err(status) =
-                    hostcalls::add_map_value(MapType::HttpResponseHeaders, &name, &value)
-                {
-                    log::warn!("[{request_id}] could not add {name}: {status:?}");
-                }
-            }
-            Command::Record(metric) => self.stats.record(metric),
-        }
-        Vec::new()
     }
 }

@@ -15,6 +15,9 @@ pub struct Stats {
     decode_only_fallbacks: Option<u32>,
     bad_requests: Option<u32>,
     prefill_latency_ms: Option<u32>,
+    kv_released: Option<u32>,
+    kv_release_failed: Option<u32>,
+    kv_release_dropped: Option<u32>,
 }
 
 fn define(kind: MetricType, name: &str) -> Option<u32> {
@@ -39,18 +42,6 @@ fn increment(metric: Option<u32>) {
 }
 
 impl Stats {
-    /// Stats that record nothing, for a request whose plugin never finished configuring.
-    pub fn disabled() -> Stats {
-        Stats {
-            orchestrated: [None; Api::ALL.len()],
-            passed_through: None,
-            prefill_failures: [None; FailureKind::ALL.len()],
-            decode_only_fallbacks: None,
-            bad_requests: None,
-            prefill_latency_ms: None,
-        }
-    }
-
     pub fn define() -> Stats {
         Stats {
             orchestrated: Api::ALL
@@ -61,6 +52,9 @@ impl Stats {
             decode_only_fallbacks: counter("decode_only_fallbacks"),
             bad_requests: counter("bad_requests"),
             prefill_latency_ms: define(MetricType::Histogram, "pd_filter.prefill_latency_ms"),
+            kv_released: counter("kv_releases.released"),
+            kv_release_failed: counter("kv_releases.failed"),
+            kv_release_dropped: counter("kv_releases.dropped"),
         }
     }
 
@@ -77,6 +71,9 @@ impl Stats {
             }
             Metric::DecodeOnlyFallback => increment(self.decode_only_fallbacks),
             Metric::BadRequest => increment(self.bad_requests),
+            Metric::KvReleased => increment(self.kv_released),
+            Metric::KvReleaseFailed => increment(self.kv_release_failed),
+            Metric::KvReleaseDropped => increment(self.kv_release_dropped),
             Metric::PrefillLatency(elapsed) => {
                 if let Some(id) = self.prefill_latency_ms {
                     let millis = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
