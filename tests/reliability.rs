@@ -336,7 +336,8 @@ async fn a_client_disconnecting_during_prefill_leaves_the_filter_serving_and_dec
     // Served while the abandoned prefills are still in flight.
     assert_still_serves("default").await;
     assert_still_serves("strict").await;
-    // After the prefills have answered (2 s), none of them went on to decode.
+    // After the prefills have answered (2 s), none of them went on to decode (which got only
+    // the release of their KV, tests/kv_release.rs).
     tokio::time::sleep(Duration::from_millis(2600).saturating_sub(started.elapsed())).await;
     for id in &ids {
         assert_eq!(h.prefill_requests(id).len(), 1, "{id}");

@@ -18,6 +18,9 @@ mod request;
 #[allow(unused_imports)]
 pub use {oracle::*, request::*};
 
+/// The header on the filter's KV release calls to decode.
+pub const KV_RELEASE_HEADER: &str = "x-pd-kv-release";
+
 /// How a test listener routes to decode.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum DecodeRoute {
@@ -28,6 +31,8 @@ pub enum DecodeRoute {
     /// With `x-gateway-destination-endpoint`, to exactly that host (an endpoint picker's
     /// choice, through an ORIGINAL_DST cluster); without it, to `decode`.
     ByPickerHeader,
+    /// To a closed port: decode never takes the request.
+    Unreachable,
 }
 
 pub struct Listener {
@@ -93,6 +98,11 @@ pub const LISTENERS: &[Listener] = &[
         buffer_limit_bytes: 65536,
         ..plain("tight_buffer", r#"{"max_request_body_bytes":65536}"#)
     },
+    // Decode cannot be reached; KV releases still go to the `decode` cluster.
+    Listener {
+        decode_route: DecodeRoute::Unreachable,
+        ..plain("decode_unreachable", "")
+    },
 ];
 
 pub struct Harness {
@@ -124,8 +134,18 @@ impl Harness {
         self.prefill.requests_with_id(id)
     }
 
+    /// The requests decode got for `id` to serve, without the filter's KV releases.
     pub fn decode_requests(&self, id: &str) -> Vec<RecordedRequest> {
-        self.decode.requests_with_id(id)
+        let mut requests = self.decode.requests_with_id(id);
+        requests.retain(|request| request.header(KV_RELEASE_HEADER).is_none());
+        requests
+    }
+
+    /// The KV releases decode got for `id` (tests/kv_release.rs).
+    pub fn kv_releases(&self, id: &str) -> Vec<RecordedRequest> {
+        let mut requests = self.decode.requests_with_id(id);
+        requests.retain(|request| request.header(KV_RELEASE_HEADER).is_some());
+        requests
     }
 
     /// The one prefill request carrying `id`.
@@ -444,6 +464,11 @@ fn routes_yaml(route: DecodeRoute) -> &'static str {
                 route: { cluster: decode_b, timeout: 0s }
               - match: { prefix: "/" }
                 route: { cluster: decode, timeout: 0s }
+"#
+        }
+        DecodeRoute::Unreachable => {
+            r#"              - match: { prefix: "/" }
+                route: { cluster: prefill_unreachable, timeout: 0s }
 "#
         }
         DecodeRoute::ByPickerHeader => {

@@ -1,0 +1,154 @@
+//! A client that leaves must not strand prefill's KV: when a request's decode leg will never
+//! run, the filter sends decode a one-token request carrying prefill's `kv_transfer_params`,
+//! which is what frees them on a vLLM prefill worker. The mock prefill keeps a ledger of the
+//! KV it issued and the KV a decode read.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{assert_envoy_log_clean, assert_filter_healthy, harness, unique_id, Request};
+use serde_json::{json, Value};
+
+const COMPLETIONS: &str = "/v1/completions";
+
+/// The ledger is the mock's, shared by every test here: one test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn completion(prompt: &str) -> String {
+    json!({"model": "m", "prompt": prompt, "max_tokens": 5}).to_string()
+}
+
+/// Waits until prefill holds no stranded KV, or says how many are left.
+async fn wait_until_nothing_is_stranded(within: Duration) -> Result<(), u64> {
+    let deadline = Instant::now() + within;
+    loop {
+        let stranded = harness().prefill.kv_ledger().stranded;
+        if stranded == 0 {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(stranded);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The KV releases of `id`: one token, not streamed, on prefill's KV.
+fn releases(id: &str) -> Vec<Value> {
+    let releases: Vec<Value> = harness()
+        .kv_releases(id)
+        .iter()
+        .map(|request| request.json())
+        .collect();
+    for release in &releases {
+        assert_eq!(release["max_tokens"], 1, "{release}");
+        assert_eq!(release["stream"], false, "{release}");
+    }
+    releases
+}
+
+#[tokio::test]
+async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    wait_until_nothing_is_stranded(Duration::from_secs(5))
+        .await
+        .expect("a clean ledger to start from");
+    let released_before = h.counter("kv_releases.released");
+    let ids: Vec<String> = (0..100).map(|_| unique_id("leaves")).collect();
+    let mut clients = Vec::new();
+    for id in &ids {
+        let id = id.clone();
+        clients.push(tokio::spawn(async move {
+            let body = completion("left early mock:prefill_delay_ms=1500");
+            let request = Request::post("default", COMPLETIONS)
+                .id(&id)
+                .body(body)
+                .try_send();
+            // Dropping the future closes the connection while prefill works.
+            tokio::time::timeout(Duration::from_millis(300), request).await
+        }));
+    }
+    for client in clients {
+        assert!(client.await.unwrap().is_err(), "answered within 300 ms");
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let left = wait_until_nothing_is_stranded(Duration::from_secs(5)).await;
+    assert_eq!(
+        left,
+        Ok(()),
+        "KV stranded on prefill after its clients left"
+    );
+    for id in &ids {
+        assert_eq!(h.prefill_requests(id).len(), 1, "{id}");
+        let releases = releases(id);
+        assert!(h.decode_requests(id).is_empty(), "{id}: decode served it");
+        assert_eq!(releases.len(), 1, "{id}");
+        assert_eq!(
+            releases[0]["prompt"],
+            "left early mock:prefill_delay_ms=1500"
+        );
+        assert_eq!(releases[0]["kv_transfer_params"]["do_remote_prefill"], true);
+    }
+    assert_eq!(h.counter("kv_releases.released"), released_before + 100);
+    assert_eq!(h.counter("kv_releases.dropped"), 0);
+    assert_filter_healthy();
+    assert_envoy_log_clean();
+}
+
+#[tokio::test]
+async fn decode_that_was_never_reached_strands_no_kv() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let id = unique_id("decode-down");
+    let reply = Request::post("decode_unreachable", COMPLETIONS)
+        .id(&id)
+        .body(completion("nobody decodes this"))
+        .send()
+        .await;
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_eq!(h.prefill_requests(&id).len(), 1);
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+    assert_eq!(releases(&id).len(), 1);
+}
+
+#[tokio::test]
+async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let released_before = h.counter("kv_releases.released");
+    let served = unique_id("served");
+    let reply = Request::post("default", COMPLETIONS)
+        .id(&served)
+        .body(completion("a normal request"))
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-mock-kv"), Some("reused"));
+
+    // A stream that the client drops after its first bytes: decode has the KV already.
+    let streamed = unique_id("mid-stream");
+    let body = json!({"model": "m", "prompt": "stream then leave", "max_tokens": 200,
+                      "stream": true, "mock:decode_delay_ms=300": true})
+    .to_string();
+    let request = Request::post("default", COMPLETIONS)
+        .id(&streamed)
+        .body(body)
+        .try_send();
+    let _ = tokio::time::timeout(Duration::from_millis(150), request).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+
+    for id in [&served, &streamed] {
+        assert_eq!(h.decode_requests(id).len(), 1, "{id}: the decode leg only");
+        assert!(releases(id).is_empty(), "{id}: a release was sent");
+    }
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+    assert_eq!(h.counter("kv_releases.released"), released_before);
+}
