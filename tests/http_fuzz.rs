@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{envoy_log_failures, envoy_stats, harness, http_get, LISTENERS};
+use common::{envoy_log_failures, envoy_stats, harness, http_get, members_of, LISTENERS};
 use raw_http::{exchange, h2_connect, h2_exchange, H2Outcome, H2Request, Outcome, Writing};
 
 /// Text only a fuzzed client's `kv_transfer_params` contain; followed by `-<seed>-<case>`.
@@ -112,11 +112,7 @@ impl Env {
         let h = harness();
         let ports = LISTENERS
             .iter()
-            .map(|listener| {
-                let url = h.url(listener.name, "");
-                let port = url.rsplit(':').next().and_then(|p| p.parse().ok());
-                (listener.name, port.expect("listener port"))
-            })
+            .map(|listener| (listener.name, h.port(listener.name)))
             .collect();
         let only = std::env::var("PD_HTTP_FUZZ_LISTENERS").unwrap_or_default();
         let listeners: Vec<(usize, &'static str)> = LISTENER_WEIGHTS
@@ -175,6 +171,11 @@ impl Record {
         while recent.len() > 40 {
             recent.pop_front();
         }
+    }
+
+    /// Remembers which case sent `marker`.
+    fn mark(&self, marker: String, description: String) {
+        self.marked.lock().unwrap().insert(marker, description);
     }
 
     /// Records a violation once (by key).
@@ -693,6 +694,12 @@ fn random_headers(rng: &mut Rng, env: &Env, case: u64) -> Vec<(String, String)> 
     headers
 }
 
+/// The names of the first 12 headers, for a case's description.
+fn header_names(headers: &[(String, String)]) -> String {
+    let names: Vec<&str> = headers.iter().map(|(name, _)| name.as_str()).collect();
+    names[..names.len().min(12)].join(",")
+}
+
 fn preview(bytes: &[u8], max: usize) -> String {
     let text = String::from_utf8_lossy(&bytes[..bytes.len().min(max)]);
     let text: String = text
@@ -703,6 +710,32 @@ fn preview(bytes: &[u8], max: usize) -> String {
         format!("{text}…")
     } else {
         text
+    }
+}
+
+/// What a case of either protocol draws first.
+struct Drawn {
+    method: String,
+    path: String,
+    body: Vec<u8>,
+    /// Whether the body carries the case's marker.
+    marked: bool,
+    headers: Vec<(String, String)>,
+}
+
+/// A method from `methods`, a path (`raw_bytes`: any bytes, for HTTP/1.1), a body and the
+/// headers, drawn in that order.
+fn draw(rng: &mut Rng, env: &Env, case: u64, methods: &[(usize, &str)], raw_bytes: bool) -> Drawn {
+    let method = rng.weighted(methods).to_owned();
+    let path = random_path(rng, raw_bytes);
+    let (body, marked) = random_body(rng, env, case, &path);
+    let headers = random_headers(rng, env, case);
+    Drawn {
+        method,
+        path,
+        body,
+        marked,
+        headers,
     }
 }
 
@@ -718,26 +751,30 @@ struct H1Case {
     marked: bool,
 }
 
+const H1_METHODS: &[(usize, &str)] = &[
+    (72, "POST"),
+    (4, "post"),
+    (2, "Post"),
+    (5, "GET"),
+    (3, "PUT"),
+    (3, "HEAD"),
+    (2, "OPTIONS"),
+    (2, "PATCH"),
+    (2, "DELETE"),
+    (1, "FOO"),
+    (2, "POST "),
+    (2, "P\x00ST"),
+];
+
 fn h1_case(rng: &mut Rng, env: &Env, case: u64) -> H1Case {
     let listener = listener_for(rng, env);
-    let method = (rng.weighted(&[
-        (72, "POST"),
-        (4, "post"),
-        (2, "Post"),
-        (5, "GET"),
-        (3, "PUT"),
-        (3, "HEAD"),
-        (2, "OPTIONS"),
-        (2, "PATCH"),
-        (2, "DELETE"),
-        (1, "FOO"),
-        (2, "POST "),
-        (2, "P\x00ST"),
-    ]))
-    .to_owned();
-    let path = random_path(rng, true);
-    let (body, marked) = random_body(rng, env, case, &path);
-    let mut headers = random_headers(rng, env, case);
+    let Drawn {
+        method,
+        path,
+        body,
+        marked,
+        mut headers,
+    } = draw(rng, env, case, H1_METHODS, true);
     let version = rng.weighted(&[(94, "HTTP/1.1"), (4, "HTTP/1.0"), (2, "HTTP/1.2")]);
     if rng.percent(4) {
         headers.push(("expect".to_owned(), "100-continue".to_owned()));
@@ -842,14 +879,9 @@ fn h1_case(rng: &mut Rng, env: &Env, case: u64) -> H1Case {
     if rng.percent(2) {
         writing.shutdown_after = true;
     }
-    let names: Vec<&str> = headers
-        .iter()
-        .map(|(name, _)| name.as_str())
-        .take(12)
-        .collect();
     let description = format!(
         "h1 {listener} {method:?} {path:?} {version} [{}] {framing} body {}B {:?}",
-        names.join(","),
+        header_names(&headers),
         body.len(),
         preview(&body, 160)
     );
@@ -902,11 +934,7 @@ fn chunk(rng: &mut Rng, body: &[u8], writing: &mut Writing) -> Vec<u8> {
 
 async fn run_h1(env: &Env, record: &Record, case: u64, generated: H1Case) {
     if generated.marked {
-        record
-            .marked
-            .lock()
-            .unwrap()
-            .insert(env.marker(case), generated.description.clone());
+        record.mark(env.marker(case), generated.description.clone());
     }
     let port = env.ports[generated.listener];
     let outcome = exchange(
@@ -948,20 +976,25 @@ async fn run_h1(env: &Env, record: &Record, case: u64, generated: H1Case) {
 // ----------------------------------------------------------------------------------------
 // h2c cases: several concurrent streams on one connection
 
+const H2_METHODS: &[(usize, &str)] = &[
+    (85, "POST"),
+    (5, "GET"),
+    (3, "PUT"),
+    (3, "HEAD"),
+    (4, "post"),
+];
+
 /// One h2 stream. With `alone` false it shares its connection with others, so it avoids what
 /// makes Envoy drop the whole connection (oversized headers, floods of empty DATA frames).
 fn h2_request(rng: &mut Rng, env: &Env, case: u64, alone: bool) -> (H2Request, String, bool) {
-    let method = (rng.weighted(&[
-        (85, "POST"),
-        (5, "GET"),
-        (3, "PUT"),
-        (3, "HEAD"),
-        (4, "post"),
-    ]))
-    .to_owned();
-    let path = random_path(rng, false);
-    let (body, marked) = random_body(rng, env, case, &path);
-    let headers = random_headers(rng, env, case)
+    let Drawn {
+        method,
+        path,
+        body,
+        marked,
+        headers,
+    } = draw(rng, env, case, H2_METHODS, false);
+    let headers = headers
         .into_iter()
         .filter(|(name, _)| alone || !(name == "x-big" || name.starts_with("x-many-")))
         .collect::<Vec<_>>();
@@ -998,14 +1031,9 @@ fn h2_request(rng: &mut Rng, env: &Env, case: u64, alone: bool) -> (H2Request, S
     } else {
         None
     };
-    let names: Vec<&str> = headers
-        .iter()
-        .map(|(name, _)| name.as_str())
-        .take(12)
-        .collect();
     let description = format!(
         "h2 {method:?} {path:?} [{}] {} DATA frames{}{} body {}B {:?}",
-        names.join(","),
+        header_names(&headers),
         data.len(),
         if trailers.is_empty() {
             ""
@@ -1058,11 +1086,7 @@ async fn run_h2_batch(
         let (request, description, marked) = h2_request(rng, &env, case, streams == 1);
         let description = format!("#{case} {listener} {description}");
         if marked {
-            record
-                .marked
-                .lock()
-                .unwrap()
-                .insert(env.marker(case), description.clone());
+            record.mark(env.marker(case), description.clone());
         }
         let (sender, record) = (sender.clone(), record.clone());
         tasks.push(tokio::spawn(async move {
@@ -1108,30 +1132,6 @@ fn vm_stats() -> Vec<(String, u64)> {
     stats
 }
 
-/// Top-level members of a JSON object, duplicates kept; `None` when not one.
-fn members(body: &[u8]) -> Option<Vec<(String, String)>> {
-    use serde::de::{Deserializer, MapAccess, Visitor};
-    struct Members;
-    impl<'de> Visitor<'de> for Members {
-        type Value = Vec<(String, String)>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a JSON object")
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            let mut out = Vec::new();
-            while let Some(key) = map.next_key::<String>()? {
-                let value: Box<serde_json::value::RawValue> = map.next_value()?;
-                out.push((key, value.get().to_owned()));
-            }
-            Ok(out)
-        }
-    }
-    let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let found = deserializer.deserialize_map(Members).ok()?;
-    deserializer.end().ok()?;
-    Some(found)
-}
-
 /// The marker a decode body carries in a top-level `kv_transfer_params` (or anywhere, when
 /// the body is not a JSON object at all).
 fn marker_in(body: &[u8]) -> Option<String> {
@@ -1140,7 +1140,7 @@ fn marker_in(body: &[u8]) -> Option<String> {
         let end = text[at..].find(['"', '\\']).map_or(text.len(), |e| at + e);
         Some(text[at..end].to_owned())
     };
-    match members(body) {
+    match members_of(body) {
         Some(members) => members
             .iter()
             .filter(|(key, _)| key == "kv_transfer_params")

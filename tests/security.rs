@@ -19,9 +19,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{assert_filter_healthy, harness, http_get, mock_fingerprint, unique_id};
+use common::{
+    assert_filter_healthy, harness, http_get, members_of, mock_fingerprint, unique_id, Reply,
+    Request,
+};
 use mock_vllm::RecordedRequest;
-use raw_http::{h2_connect, h2_exchange, post_raw, H2Request, RawResponse};
+use raw_http::{h2_connect, h2_exchange, post_raw, H2Outcome, H2Request, RawResponse};
 use serde_json::{json, Value};
 
 /// A client's forged `kv_transfer_params`: pull KV blocks from a host of its choosing.
@@ -32,43 +35,10 @@ const CLIENT_MARKERS: &[&str] = &["6.6.6.6", "client-forged-engine"];
 // ----------------------------------------------------------------------------------------
 // Helpers
 
-fn port(listener: &str) -> u16 {
-    let url = harness().url(listener, "");
-    url.rsplit(':')
-        .next()
-        .and_then(|port| port.parse().ok())
-        .unwrap_or_else(|| panic!("no port in {url}"))
-}
-
-/// The top-level members of a JSON object in order, duplicates kept, each value as its raw
-/// JSON text; `None` when the bytes are not one JSON object.
-fn members(body: &[u8]) -> Option<Vec<(String, String)>> {
-    use serde::de::{Deserializer, MapAccess, Visitor};
-    struct Members;
-    impl<'de> Visitor<'de> for Members {
-        type Value = Vec<(String, String)>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a JSON object")
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            let mut out = Vec::new();
-            while let Some(key) = map.next_key::<String>()? {
-                let value: Box<serde_json::value::RawValue> = map.next_value()?;
-                out.push((key, value.get().to_owned()));
-            }
-            Ok(out)
-        }
-    }
-    let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let found = deserializer.deserialize_map(Members).ok()?;
-    deserializer.end().ok()?;
-    Some(found)
-}
-
 /// The raw values of every top-level `name` member of a JSON object body.
 fn values_of(body: &[u8], name: &str) -> Vec<String> {
     let text = String::from_utf8_lossy(body);
-    members(body)
+    members_of(body)
         .unwrap_or_else(|| panic!("not a JSON object: {}", preview(&text)))
         .into_iter()
         .filter(|(key, _)| key == name)
@@ -91,6 +61,30 @@ fn has_client_marker(text: &str) -> bool {
     CLIENT_MARKERS.iter().any(|marker| text.contains(marker))
 }
 
+/// A completions body with this prompt and `max_tokens`, carrying the client's
+/// kv_transfer_params.
+fn client_kv_body(prompt: &str, max_tokens: u32) -> String {
+    format!(
+        r#"{{"prompt":{},"max_tokens":{max_tokens},"kv_transfer_params":{CLIENT_KV}}}"#,
+        json!(prompt)
+    )
+}
+
+/// `{"prompt":<prompt>,` then `head`, `member` `count` times, and `tail` (which closes the
+/// object).
+fn repeated_member_body(
+    prompt: &str,
+    head: &str,
+    member: &str,
+    count: usize,
+    tail: &str,
+) -> String {
+    let mut body = format!(r#"{{"prompt":{},{head}"#, json!(prompt));
+    body.push_str(&member.repeat(count));
+    body.push_str(tail);
+    body
+}
+
 /// Every request either decode pool received for `id`.
 fn decoded(id: &str) -> Vec<RecordedRequest> {
     let h = harness();
@@ -111,7 +105,7 @@ fn prefilled(id: &str) -> Vec<RecordedRequest> {
 fn assert_decode_never_got_client_kv(id: &str) {
     for request in decoded(id) {
         let text = String::from_utf8_lossy(&request.body);
-        match members(&request.body) {
+        match members_of(&request.body) {
             Some(members) => {
                 for (key, value) in members {
                     assert!(
@@ -153,6 +147,15 @@ fn assert_decode_got_prefills_kv(id: &str, prompt: &str) -> RecordedRequest {
     request
 }
 
+/// A leg's body is at most 1 KiB longer than the client's `client_len` bytes.
+fn assert_not_grown(leg: &str, request: &RecordedRequest, client_len: usize) {
+    assert!(
+        request.body.len() <= client_len + 1024,
+        "{leg} body {} bytes, the client's {client_len}",
+        request.body.len()
+    );
+}
+
 fn assert_envoy_alive() {
     let ready = http_get(harness().admin_port, "/ready");
     assert!(
@@ -174,48 +177,10 @@ fn assert_healthy() {
     assert_filter_healthy();
 }
 
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("http client")
-}
-
-/// A client's answer.
-struct Reply {
-    status: u16,
-    headers: reqwest::header::HeaderMap,
-    body: String,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or(Value::Null)
-    }
-}
-
-async fn try_exchange(request: reqwest::RequestBuilder) -> Result<Reply, String> {
-    let response = request.send().await.map_err(|e| format!("send: {e:?}"))?;
-    let status = response.status().as_u16();
-    let headers = response.headers().clone();
-    let body = response
-        .text()
-        .await
-        .map_err(|e| format!("status {status}, body: {e:?}"))?;
-    Ok(Reply {
-        status,
-        headers,
-        body,
-    })
-}
-
-/// A reqwest exchange; a failure says whether Envoy is still there.
-async fn exchange(request: reqwest::RequestBuilder) -> Reply {
-    match try_exchange(request).await {
+/// Sends `request` (60 s at most) and reads the whole reply; a failure says whether Envoy is
+/// still there.
+async fn send(request: Request) -> Reply {
+    match request.timeout(Duration::from_secs(60)).try_send().await {
         Ok(reply) => reply,
         Err(error) => {
             let alive = http_get(harness().admin_port, "/ready").is_some();
@@ -227,15 +192,9 @@ async fn exchange(request: reqwest::RequestBuilder) -> Reply {
     }
 }
 
-async fn post_json(listener: &str, path: &str, id: &str, body: impl Into<reqwest::Body>) -> Reply {
-    exchange(
-        client()
-            .post(harness().url(listener, path))
-            .header("content-type", "application/json")
-            .header("x-request-id", id)
-            .body(body),
-    )
-    .await
+/// POSTs `body` as JSON to `path` on `listener` with `x-request-id: id` ([`send`]).
+async fn post_json(listener: &str, path: &str, id: &str, body: impl AsRef<[u8]>) -> Reply {
+    send(Request::post(listener, path).id(id).body(body)).await
 }
 
 /// A normal request on `listener` is served with prefill's KV (decode recomputes on the
@@ -272,11 +231,7 @@ fn assert_filter_error(reply: &Reply, status: u16, context: &str) {
 fn sized_body(prompt_head: &str, size: usize) -> (String, String) {
     let build = |padding: &str| {
         let prompt = format!("{prompt_head} {padding}");
-        let body = format!(
-            r#"{{"prompt":{},"max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#,
-            json!(prompt)
-        );
-        (body, prompt)
+        (client_kv_body(&prompt, 3), prompt)
     };
     let frame = build("").0.len();
     let (body, prompt) = build(&"z".repeat(size - frame));
@@ -284,20 +239,13 @@ fn sized_body(prompt_head: &str, size: usize) -> (String, String) {
     (body, prompt)
 }
 
-fn chunked(body: String, chunk: usize) -> reqwest::Body {
-    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = body
-        .into_bytes()
-        .chunks(chunk)
-        .map(|c| Ok(c.to_vec()))
-        .collect();
-    reqwest::Body::wrap_stream(futures_util::stream::iter(chunks))
-}
-
 type Case = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Runs every case, one after the other, each to its end even when an earlier one failed;
-/// then fails with the message of each case that panicked.
-async fn run_cases(cases: Vec<(String, Case)>) {
+/// then a normal request on `listener` ([`assert_still_serves`]); then fails with the message
+/// of each that panicked.
+async fn run_cases_then_still_serves(mut cases: Vec<(String, Case)>, listener: &'static str) {
+    cases.push(case("then a normal request", assert_still_serves(listener)));
     let total = cases.len();
     let mut failures = Vec::new();
     for (name, case) in cases {
@@ -344,11 +292,12 @@ async fn a_body_that_grows_past_envoys_buffer_on_decode_is_413_or_served() {
                 let context = format!("{size} bytes, {framing}");
                 let id = unique_id("tight");
                 let (body, prompt) = sized_body(&id, size);
-                let body: reqwest::Body = match framing {
-                    "chunked" => chunked(body, 8192),
-                    _ => body.into(),
+                let request = Request::post("tight_buffer", "/v1/completions").id(&id);
+                let request = match framing {
+                    "chunked" => request.chunked(body, 8192),
+                    _ => request.body(body),
                 };
-                let reply = post_json("tight_buffer", "/v1/completions", &id, body).await;
+                let reply = send(request).await;
                 eprintln!("{context}: {} {}", reply.status, reply.body);
                 assert_envoy_alive();
                 match reply.status {
@@ -372,11 +321,7 @@ async fn a_body_that_grows_past_envoys_buffer_on_decode_is_413_or_served() {
             }));
         }
     }
-    cases.push(case(
-        "then a normal request",
-        assert_still_serves("tight_buffer"),
-    ));
-    run_cases(cases).await;
+    run_cases_then_still_serves(cases, "tight_buffer").await;
 }
 
 #[tokio::test]
@@ -386,11 +331,13 @@ async fn eighty_thousand_duplicate_kv_transfer_params_do_not_crash_envoy() {
     // decode body far above the buffer.
     let id = unique_id("dup-kv-80000");
     let prompt = format!("{id} duplicates");
-    let mut body = format!(r#"{{"prompt":{},"max_tokens":3,"#, json!(prompt));
-    for _ in 0..80_000 {
-        body.push_str(r#""kv_transfer_params":0,"#);
-    }
-    body.push_str(r#""stream":false}"#);
+    let body = repeated_member_body(
+        &prompt,
+        r#""max_tokens":3,"#,
+        r#""kv_transfer_params":0,"#,
+        80_000,
+        r#""stream":false}"#,
+    );
     assert!(body.len() > 1_750_000);
     let client_len = body.len();
     let reply = post_json("default", "/v1/completions", &id, body).await;
@@ -403,7 +350,7 @@ async fn eighty_thousand_duplicate_kv_transfer_params_do_not_crash_envoy() {
     match reply.status {
         200 => {
             let decode = assert_decode_got_prefills_kv(&id, &prompt);
-            assert!(decode.body.len() <= client_len + 1024);
+            assert_not_grown("decode", &decode, client_len);
         }
         400..=499 => {
             assert_filter_error(&reply, reply.status, "80,000 duplicates");
@@ -418,43 +365,40 @@ async fn eighty_thousand_duplicate_kv_transfer_params_do_not_crash_envoy() {
 // ----------------------------------------------------------------------------------------
 // 2. Duplicate members
 
-#[tokio::test]
-async fn five_thousand_client_kv_transfer_params_reach_each_leg_as_one() {
-    let h = harness();
-    let id = unique_id("dup-kv-5000");
-    let prompt = format!("{id} many kv");
-    let mut body = format!(r#"{{"prompt":{},"max_tokens":4,"#, json!(prompt));
-    for _ in 0..5_000 {
-        body.push_str(&format!(r#""kv_transfer_params":{CLIENT_KV},"#));
-    }
-    body.push_str(r#""temperature":0}"#);
+/// POSTs `body` to `default` and asserts it was served on prefill's KV for `prompt`, prefill
+/// got exactly one kv_transfer_params and not the client's, and neither leg's body is more
+/// than 1 KiB over the client's. Returns prefill's request and its kv_transfer_params.
+async fn assert_served_as_one(id: &str, prompt: &str, body: String) -> (RecordedRequest, String) {
     let client_len = body.len();
-    let reply = post_json("default", "/v1/completions", &id, body).await;
+    let reply = post_json("default", "/v1/completions", id, body).await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.header("x-mock-kv"), Some("reused"));
 
-    let prefill = h.only_prefill(&id);
-    let kv = values_of(&prefill.body, "kv_transfer_params");
+    let prefill = harness().only_prefill(id);
+    assert_not_grown("prefill", &prefill, client_len);
+    let mut kv = values_of(&prefill.body, "kv_transfer_params");
     assert_eq!(kv.len(), 1, "prefill got {} kv_transfer_params", kv.len());
     assert!(
         !has_client_marker(&kv[0]),
         "prefill got the client's: {}",
         kv[0]
     );
+    let decode = assert_decode_got_prefills_kv(id, prompt);
+    assert_not_grown("decode", &decode, client_len);
+    (prefill, kv.remove(0))
+}
+
+#[tokio::test]
+async fn five_thousand_client_kv_transfer_params_reach_each_leg_as_one() {
+    let id = unique_id("dup-kv-5000");
+    let prompt = format!("{id} many kv");
+    let forged = format!(r#""kv_transfer_params":{CLIENT_KV},"#);
+    let (head, tail) = (r#""max_tokens":4,"#, r#""temperature":0}"#);
+    let body = repeated_member_body(&prompt, head, &forged, 5_000, tail);
+    let (_, kv) = assert_served_as_one(&id, &prompt, body).await;
     assert_eq!(
-        serde_json::from_str::<Value>(&kv[0]).unwrap()["do_remote_decode"],
+        serde_json::from_str::<Value>(&kv).unwrap()["do_remote_decode"],
         true
-    );
-    assert!(
-        prefill.body.len() <= client_len + 1024,
-        "prefill body {} bytes, the client's {client_len}",
-        prefill.body.len()
-    );
-    let decode = assert_decode_got_prefills_kv(&id, &prompt);
-    assert!(
-        decode.body.len() <= client_len + 1024,
-        "decode body {} bytes, the client's {client_len}",
-        decode.body.len()
     );
     assert_healthy();
     assert_still_serves("default").await;
@@ -468,29 +412,11 @@ async fn ten_thousand_duplicate_limits_do_not_grow_the_prefill_body() {
         (r#""max_tokens":5"#, "max_tokens"),
     ] {
         cases.push(case(member, async move {
-            let h = harness();
             let id = unique_id("dup-limits");
             let prompt = format!("{id} limits");
-            let mut body = format!(r#"{{"prompt":{},"#, json!(prompt));
-            for _ in 0..10_000 {
-                body.push_str(member);
-                body.push(',');
-            }
-            body.push_str(&format!(r#""kv_transfer_params":{CLIENT_KV}}}"#));
-            let client_len = body.len();
-            let reply = post_json("default", "/v1/completions", &id, body).await;
-            assert_eq!(reply.status, 200, "{}", reply.body);
-            assert_eq!(reply.header("x-mock-kv"), Some("reused"));
-
-            let prefill = h.only_prefill(&id);
-            assert!(
-                prefill.body.len() <= client_len + 1024,
-                "prefill body {} bytes, the client's {client_len}",
-                prefill.body.len()
-            );
-            let kv = values_of(&prefill.body, "kv_transfer_params");
-            assert_eq!(kv.len(), 1, "prefill got {} kv members", kv.len());
-            assert!(!has_client_marker(&kv[0]), "{}", kv[0]);
+            let tail = format!(r#""kv_transfer_params":{CLIENT_KV}}}"#);
+            let body = repeated_member_body(&prompt, "", &format!("{member},"), 10_000, &tail);
+            let (prefill, _) = assert_served_as_one(&id, &prompt, body).await;
             // Whichever duplicate a parser reads, prefill generates one token, unstreamed.
             let expected = if key == "stream" { "false" } else { "1" };
             let values = values_of(&prefill.body, key);
@@ -504,40 +430,35 @@ async fn ten_thousand_duplicate_limits_do_not_grow_the_prefill_body() {
                     .take(3)
                     .collect::<Vec<_>>()
             );
-            let decode = assert_decode_got_prefills_kv(&id, &prompt);
-            assert!(
-                decode.body.len() <= client_len + 1024,
-                "decode body {} bytes, the client's {client_len}",
-                decode.body.len()
-            );
             assert_healthy();
         }));
     }
-    cases.push(case(
-        "then a normal request",
-        assert_still_serves("default"),
-    ));
-    run_cases(cases).await;
+    run_cases_then_still_serves(cases, "default").await;
 }
 
 // ----------------------------------------------------------------------------------------
 // 3. HTTP/2 request trailers
 
-fn h2_post(path: &str, id: &str, data: Vec<Vec<u8>>, trailers: &[(&str, &str)]) -> H2Request {
-    H2Request {
-        method: "POST".to_owned(),
-        path: path.to_owned(),
-        headers: vec![
-            ("content-type".to_owned(), "application/json".to_owned()),
-            ("x-request-id".to_owned(), id.to_owned()),
-        ],
-        data,
-        trailers: trailers
+/// POSTs over a new h2c connection to `default`: JSON with `x-request-id: id`, the body in
+/// these DATA frames, then `trailers` if any. What became of it within 30 s.
+async fn h2_post(path: &str, id: &str, data: Vec<Vec<u8>>, trailers: &[(&str, &str)]) -> H2Outcome {
+    let port = harness().port("default");
+    let sender = h2_connect(port).await.expect("h2c connection");
+    let owned = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+        pairs
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect(),
+            .collect()
+    };
+    let request = H2Request {
+        method: "POST".to_owned(),
+        path: path.to_owned(),
+        headers: owned(&[("content-type", "application/json"), ("x-request-id", id)]),
+        data,
+        trailers: owned(trailers),
         reset_after: None,
-    }
+    };
+    h2_exchange(&sender, request, Duration::from_secs(30)).await
 }
 
 fn split_in(body: &[u8], parts: usize) -> Vec<Vec<u8>> {
@@ -545,25 +466,24 @@ fn split_in(body: &[u8], parts: usize) -> Vec<Vec<u8>> {
     body.chunks(size).map(<[u8]>::to_vec).collect()
 }
 
+/// A 200 built on prefill's KV: prefill was called once for `id` and decode got the
+/// kv_transfer_params prefill issued for `prompt`; then everything is healthy.
+fn assert_raw_served(response: &RawResponse, id: &str, prompt: &str) {
+    assert_eq!(response.status, 200, "{}", response.text());
+    assert_eq!(response.header("x-mock-kv"), Some("reused"));
+    harness().only_prefill(id);
+    assert_decode_got_prefills_kv(id, prompt);
+    assert_healthy();
+}
+
 #[tokio::test]
 async fn an_h2c_request_without_trailers_is_orchestrated() {
     // The harness's listeners speak h2c (codec AUTO): the trailer tests below rely on it.
-    let sender = h2_connect(port("default")).await.expect("h2c connection");
     let id = unique_id("h2c-plain");
     let prompt = format!("{id} over h2c");
-    let body = format!(
-        r#"{{"prompt":{},"max_tokens":4,"kv_transfer_params":{CLIENT_KV}}}"#,
-        json!(prompt)
-    );
-    let request = h2_post("/v1/completions", &id, split_in(body.as_bytes(), 3), &[]);
-    let response = h2_exchange(&sender, request, Duration::from_secs(30))
-        .await
-        .response("h2c");
-    assert_eq!(response.status, 200, "{}", response.text());
-    assert_eq!(response.header("x-mock-kv"), Some("reused"));
-    harness().only_prefill(&id);
-    assert_decode_got_prefills_kv(&id, &prompt);
-    assert_healthy();
+    let body = client_kv_body(&prompt, 4);
+    let outcome = h2_post("/v1/completions", &id, split_in(body.as_bytes(), 3), &[]).await;
+    assert_raw_served(&outcome.response("h2c"), &id, &prompt);
 }
 
 #[tokio::test]
@@ -573,50 +493,27 @@ async fn h2_trailers_after_the_body_do_not_skip_prefill() {
         cases.push(case(
             format!("{frames} DATA frames, then trailers"),
             async move {
-                let sender = h2_connect(port("default")).await.expect("h2c connection");
                 let id = unique_id("h2-trailers");
                 let prompt = format!("{id} with trailers");
-                let body = format!(
-                    r#"{{"prompt":{},"max_tokens":4,"kv_transfer_params":{CLIENT_KV}}}"#,
-                    json!(prompt)
-                );
-                let request = h2_post(
-                    "/v1/completions",
-                    &id,
-                    split_in(body.as_bytes(), frames),
-                    &[("x-trailer", "end")],
-                );
-                let outcome = h2_exchange(&sender, request, Duration::from_secs(30)).await;
+                let data = split_in(client_kv_body(&prompt, 4).as_bytes(), frames);
+                let trailers = [("x-trailer", "end")];
+                let outcome = h2_post("/v1/completions", &id, data, &trailers).await;
                 assert_envoy_alive();
                 let prefills = prefilled(&id).len();
                 assert_decode_never_got_client_kv(&id);
                 assert_eq!(prefills, 1, "prefill was not called once");
-                let response = outcome.response("h2 trailers");
-                assert_eq!(response.status, 200, "{}", response.text());
-                assert_eq!(response.header("x-mock-kv"), Some("reused"));
-                assert_decode_got_prefills_kv(&id, &prompt);
-                assert_healthy();
+                assert_raw_served(&outcome.response("h2 trailers"), &id, &prompt);
             },
         ));
     }
-    cases.push(case(
-        "then a normal request",
-        assert_still_serves("default"),
-    ));
-    run_cases(cases).await;
+    run_cases_then_still_serves(cases, "default").await;
 }
 
 #[tokio::test]
 async fn h2_trailers_without_a_body_are_400() {
-    let sender = h2_connect(port("default")).await.expect("h2c connection");
     let id = unique_id("h2-trailers-only");
-    let request = h2_post(
-        "/v1/chat/completions",
-        &id,
-        Vec::new(),
-        &[("x-trailer", "1")],
-    );
-    let outcome = h2_exchange(&sender, request, Duration::from_secs(30)).await;
+    let trailers = [("x-trailer", "1")];
+    let outcome = h2_post("/v1/chat/completions", &id, Vec::new(), &trailers).await;
     assert_envoy_alive();
     assert!(prefilled(&id).is_empty(), "prefill was called");
     assert!(
@@ -634,15 +531,16 @@ async fn h2_trailers_without_a_body_are_400() {
 // ----------------------------------------------------------------------------------------
 // 4. Paths decode would route to an orchestrated endpoint, spelled another way
 
-const NON_CANONICAL_PATHS: &[&str] = &[
-    "/v1/%63ompletions",
-    "/v1/re%73ponses",
-    "/%76%31/chat/completions",
-    "/v1%2Fcompletions",
-    "/v1/chat%2fcompletions",
-    "//v1/completions",
-    "/v1/./completions",
-    "/v1/x/../completions",
+/// Each spelling, with what makes it one.
+const NON_CANONICAL_PATHS: &[(&str, &str)] = &[
+    ("/v1/%63ompletions", "an encoded letter"),
+    ("/v1/re%73ponses", "an encoded letter in /v1/responses"),
+    ("/%76%31/chat/completions", "an encoded segment"),
+    ("/v1%2Fcompletions", "an encoded slash"),
+    ("/v1/chat%2fcompletions", "a lowercase encoded slash"),
+    ("//v1/completions", "an empty segment"),
+    ("/v1/./completions", "a dot segment"),
+    ("/v1/x/../completions", "a dot-dot segment"),
 ];
 
 fn marked_body(prompt: &str) -> String {
@@ -653,90 +551,77 @@ fn marked_body(prompt: &str) -> String {
     )
 }
 
-fn assert_raw_filter_error(response: &RawResponse, status: u16, context: &str) {
+/// Envoy is alive, nothing reached decode for `id`, and the answer (`response` panics if
+/// there is none) is the filter's 400.
+fn assert_refused_before_decode(id: &str, path: &str, response: impl FnOnce() -> RawResponse) {
+    assert_envoy_alive();
+    assert!(decoded(id).is_empty(), "decode recorded it");
+    let response = response();
     assert!(
         !response.came_from_upstream(),
-        "{context}: the answer came from decode, not the filter: {} {}",
+        "{path}: the answer came from decode, not the filter: {} {}",
         response.status,
         response.text()
     );
-    response.assert_json_error(status, context);
+    response.assert_json_error(400, path);
 }
 
 #[tokio::test]
 async fn non_canonical_orchestrated_paths_are_400_and_never_reach_decode() {
     let mut cases = Vec::new();
-    for path in NON_CANONICAL_PATHS {
-        cases.push(case(format!("HTTP/1.1 {path}"), async move {
+    for (path, spelling) in NON_CANONICAL_PATHS {
+        cases.push(case(format!("HTTP/1.1 {path} ({spelling})"), async move {
             let id = unique_id("odd-path");
             let body = marked_body(&format!("{id} odd path"));
-            let outcome = post_raw(port("default"), path, &id, &[], body.as_bytes()).await;
-            assert_envoy_alive();
-            assert!(decoded(&id).is_empty(), "decode recorded it");
-            assert_raw_filter_error(&outcome.response(path), 400, path);
+            let port = harness().port("default");
+            let outcome = post_raw(port, path, &id, &[], body.as_bytes()).await;
+            assert_refused_before_decode(&id, path, || outcome.response(path));
         }));
-        cases.push(case(format!("h2 {path}"), async move {
-            let sender = h2_connect(port("default")).await.expect("h2c connection");
+        cases.push(case(format!("h2 {path} ({spelling})"), async move {
             let id = unique_id("odd-path-h2");
             let body = marked_body(&format!("{id} odd path"));
-            let request = h2_post(path, &id, vec![body.into_bytes()], &[]);
-            let outcome = h2_exchange(&sender, request, Duration::from_secs(30)).await;
-            assert_envoy_alive();
-            assert!(decoded(&id).is_empty(), "decode recorded it");
-            assert_raw_filter_error(&outcome.response(path), 400, path);
+            let outcome = h2_post(path, &id, vec![body.into_bytes()], &[]).await;
+            assert_refused_before_decode(&id, path, || outcome.response(path));
         }));
     }
-    cases.push(case(
-        "then a normal request",
-        assert_still_serves("default"),
-    ));
-    run_cases(cases).await;
+    run_cases_then_still_serves(cases, "default").await;
 }
 
 #[tokio::test]
 async fn an_orchestrated_path_with_a_query_string_is_still_orchestrated() {
     let id = unique_id("query");
     let prompt = format!("{id} with a query");
-    let body = format!(
-        r#"{{"prompt":{},"max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#,
-        json!(prompt)
-    );
-    let response = post_raw(
-        port("default"),
-        "/v1/completions?x=1",
-        &id,
-        &[],
-        body.as_bytes(),
-    )
-    .await
-    .response("query");
-    assert_eq!(response.status, 200, "{}", response.text());
-    assert_eq!(response.header("x-mock-kv"), Some("reused"));
-    harness().only_prefill(&id);
-    assert_decode_got_prefills_kv(&id, &prompt);
-    assert_healthy();
+    let body = client_kv_body(&prompt, 3);
+    let port = harness().port("default");
+    let outcome = post_raw(port, "/v1/completions?x=1", &id, &[], body.as_bytes()).await;
+    assert_raw_served(&outcome.response("query"), &id, &prompt);
 }
 
 // ----------------------------------------------------------------------------------------
 // 5. Decode-only fallbacks
 
-/// Decode got the client's body with no `kv_transfer_params` member and nothing else changed.
-fn assert_decode_without_kv(id: &str, client_body: &str) {
+/// A 200 from decode recomputing: decode got the client's body with no `kv_transfer_params`
+/// member and nothing else changed; then everything is healthy.
+fn assert_recomputed_without_kv(reply: &Reply, id: &str, client_body: &str) {
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_decode_never_got_client_kv(id);
     let mut requests = decoded(id);
     assert_eq!(requests.len(), 1, "decode requests {requests:?}");
     let request = requests.remove(0);
-    let got = members(&request.body).expect("decode body is a JSON object");
+    let got = members_of(&request.body).expect("decode body is a JSON object");
     assert!(
         got.iter().all(|(key, _)| key != "kv_transfer_params"),
         "decode got kv_transfer_params: {}",
         String::from_utf8_lossy(&request.body)
     );
-    let expected: Vec<(String, String)> = members(client_body.as_bytes())
+    let expected: Vec<(String, String)> = members_of(client_body.as_bytes())
         .unwrap()
         .into_iter()
         .filter(|(key, _)| key != "kv_transfer_params")
         .collect();
     assert_eq!(got, expected, "the other members changed");
+    assert_eq!(reply.header("x-mock-kv"), Some("recomputed"));
+    assert_healthy();
 }
 
 #[tokio::test]
@@ -754,35 +639,20 @@ async fn without_prefills_kv_decode_gets_the_body_without_any_kv_transfer_params
                 r#"{{"prompt":{},"kv_transfer_params":{CLIENT_KV},"max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#,
                 json!(format!("{id} {directive}"))
             );
-            let reply = post_json("default", "/v1/completions", &id, body.clone()).await;
-            assert_eq!(reply.status, 200, "{}", reply.body);
-            assert_decode_never_got_client_kv(&id);
-            assert_decode_without_kv(&id, &body);
-            assert_eq!(reply.header("x-mock-kv"), Some("recomputed"));
-            assert_healthy();
+            let reply = post_json("default", "/v1/completions", &id, &body).await;
+            assert_recomputed_without_kv(&reply, &id, &body);
         }));
     }
-    cases.push(case(
-        "then a normal request",
-        assert_still_serves("default"),
-    ));
-    run_cases(cases).await;
+    run_cases_then_still_serves(cases, "default").await;
 }
 
 #[tokio::test]
 async fn the_decode_only_fallback_drops_the_clients_kv_transfer_params() {
     // decode_only: prefill unreachable, on_prefill_failure decode_only.
     let id = unique_id("decode-only");
-    let body = format!(
-        r#"{{"prompt":{},"max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#,
-        json!(format!("{id} fallback"))
-    );
-    let reply = post_json("decode_only", "/v1/completions", &id, body.clone()).await;
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_decode_never_got_client_kv(&id);
-    assert_decode_without_kv(&id, &body);
-    assert_eq!(reply.header("x-mock-kv"), Some("recomputed"));
-    assert_healthy();
+    let body = client_kv_body(&format!("{id} fallback"), 3);
+    let reply = post_json("decode_only", "/v1/completions", &id, &body).await;
+    assert_recomputed_without_kv(&reply, &id, &body);
     assert_still_serves("decode_only").await;
 }
 
@@ -790,39 +660,46 @@ async fn the_decode_only_fallback_drops_the_clients_kv_transfer_params() {
 // 6. Scheduler header pointing outside the allowlist (127.0.0.2/32 on `scheduled`)
 
 /// A TCP port that counts the connections made to it and drops each at once.
+#[derive(Clone)]
 struct Canary {
     port: u16,
     connections: Arc<AtomicUsize>,
 }
 
-async fn canary() -> Canary {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let connections = Arc::new(AtomicUsize::new(0));
-    let counter = connections.clone();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            counter.fetch_add(1, Ordering::SeqCst);
-            drop(stream);
-        }
-    });
-    Canary { port, connections }
+impl Canary {
+    async fn start() -> Canary {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let counter = connections.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                drop(stream);
+            }
+        });
+        Canary { port, connections }
+    }
+
+    /// What `exchange` gives, and how many connections the canary got from its start until
+    /// 300 ms after its end.
+    async fn connections_during<T>(&self, exchange: impl Future<Output = T>) -> (T, usize) {
+        let before = self.connections.load(Ordering::SeqCst);
+        let output = exchange.await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        (output, self.connections.load(Ordering::SeqCst) - before)
+    }
 }
 
 async fn post_scheduled(id: &str, hosts: &str) -> Reply {
     let body = json!({"prompt": format!("{id} steer"), "max_tokens": 3}).to_string();
-    exchange(
-        client()
-            .post(harness().url("scheduled", "/v1/completions"))
-            .header("content-type", "application/json")
-            .header("x-request-id", id)
-            .header("x-prefiller-host-port", hosts)
-            .body(body),
-    )
-    .await
+    let request = Request::post("scheduled", "/v1/completions").id(id);
+    send(request.header("x-prefiller-host-port", hosts).body(body)).await
 }
 
-fn assert_names_the_header(reply: &Reply) {
+/// The filter's 400, whose message names the scheduler's header.
+fn assert_refuses_the_header(reply: &Reply, context: &str) {
+    assert_filter_error(reply, 400, context);
     assert!(
         reply.body.contains("x-prefiller-host-port"),
         "the error does not name the header: {}",
@@ -834,9 +711,8 @@ fn assert_names_the_header(reply: &Reply) {
 async fn a_scheduler_host_outside_the_allowlist_is_400_and_nothing_is_sent_there() {
     let h = harness();
     // The canary's accept loop runs on this test's runtime, like the cases.
-    let canary = canary().await;
+    let canary = Canary::start().await;
     let canary_port = canary.port;
-    let connections = canary.connections.clone();
     let mut cases = Vec::new();
 
     // Envoy's own admin endpoint: its text must never come back to the client.
@@ -850,8 +726,7 @@ async fn a_scheduler_host_outside_the_allowlist_is_400_and_nothing_is_sent_there
             reply.status,
             preview(&reply.body)
         );
-        assert_filter_error(&reply, 400, "admin host");
-        assert_names_the_header(&reply);
+        assert_refuses_the_header(&reply, "admin host");
         assert!(prefilled(&id).is_empty() && decoded(&id).is_empty());
     }));
 
@@ -859,44 +734,33 @@ async fn a_scheduler_host_outside_the_allowlist_is_400_and_nothing_is_sent_there
         format!("127.0.0.1:{canary_port}"),
         format!("[::ffff:127.0.0.1]:{canary_port}"),
     ] {
-        let connections = connections.clone();
+        let canary = canary.clone();
         cases.push(case(hosts.clone(), async move {
-            let before = connections.load(Ordering::SeqCst);
             let id = unique_id("ssrf-canary");
-            let reply = post_scheduled(&id, &hosts).await;
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            let made = connections.load(Ordering::SeqCst) - before;
+            let (reply, made) = canary.connections_during(post_scheduled(&id, &hosts)).await;
             assert_eq!(
                 made, 0,
                 "the filter connected to a host outside the allowlist; the client got {} {}",
                 reply.status, reply.body
             );
-            assert_filter_error(&reply, 400, &hosts);
-            assert_names_the_header(&reply);
+            assert_refuses_the_header(&reply, &hosts);
             assert!(prefilled(&id).is_empty() && decoded(&id).is_empty());
         }));
     }
 
     // A list with a forbidden host first: rejected, or served by the allowed one, but the
     // forbidden one is never contacted.
-    let list_connections = connections.clone();
     cases.push(case("a list starting outside the allowlist", async move {
-        let before = list_connections.load(Ordering::SeqCst);
         let id = unique_id("ssrf-list");
         let hosts = format!("127.0.0.1:{canary_port},127.0.0.2:{}", h.prefill_b.port());
-        let reply = post_scheduled(&id, &hosts).await;
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let made = list_connections.load(Ordering::SeqCst) - before;
+        let (reply, made) = canary.connections_during(post_scheduled(&id, &hosts)).await;
         assert_eq!(
             made, 0,
             "{hosts}: the filter connected to a host outside the allowlist ({} {})",
             reply.status, reply.body
         );
         match reply.status {
-            400 => {
-                assert_filter_error(&reply, 400, &hosts);
-                assert_names_the_header(&reply);
-            }
+            400 => assert_refuses_the_header(&reply, &hosts),
             200 => assert_eq!(h.prefill_b.requests_with_id(&id).len(), 1),
             other => panic!("{hosts}: {other} {}", reply.body),
         }
@@ -912,11 +776,7 @@ async fn a_scheduler_host_outside_the_allowlist_is_400_and_nothing_is_sent_there
         assert_decode_got_prefills_kv(&id, &prompt);
         assert_healthy();
     }));
-    cases.push(case(
-        "then a normal request",
-        assert_still_serves("scheduled"),
-    ));
-    run_cases(cases).await;
+    run_cases_then_still_serves(cases, "scheduled").await;
 }
 
 // ----------------------------------------------------------------------------------------
@@ -934,11 +794,9 @@ async fn a_clients_own_model_header_does_not_pick_the_decode_pool() {
             if let Some(model) = body_model {
                 body["model"] = json!(model);
             }
-            let reply = exchange(
-                client()
-                    .post(h.url("models", "/v1/completions"))
-                    .header("content-type", "application/json")
-                    .header("x-request-id", &id)
+            let request = Request::post("models", "/v1/completions").id(&id);
+            let reply = send(
+                request
                     .header("x-pd-model", "model-b")
                     .body(body.to_string()),
             )
@@ -957,8 +815,7 @@ async fn a_clients_own_model_header_does_not_pick_the_decode_pool() {
             assert_healthy();
         }));
     }
-    cases.push(case("then a normal request", assert_still_serves("models")));
-    run_cases(cases).await;
+    run_cases_then_still_serves(cases, "models").await;
 }
 
 #[tokio::test]
@@ -989,8 +846,7 @@ async fn a_model_with_control_characters_is_400_before_any_prefill() {
             assert_healthy();
         }));
     }
-    cases.push(case("then a normal request", assert_still_serves("models")));
-    run_cases(cases).await;
+    run_cases_then_still_serves(cases, "models").await;
 }
 
 // ----------------------------------------------------------------------------------------
@@ -1027,9 +883,5 @@ async fn a_utf8_bom_before_the_body_is_served_and_both_legs_get_valid_json() {
             assert_healthy();
         }));
     }
-    cases.push(case(
-        "then a normal request",
-        assert_still_serves("default"),
-    ));
-    run_cases(cases).await;
+    run_cases_then_still_serves(cases, "default").await;
 }

@@ -120,14 +120,17 @@ pub struct Harness {
 }
 
 impl Harness {
-    pub fn url(&self, listener: &str, path: &str) -> String {
-        let port = self
-            .listener_ports
+    /// The local port Envoy bound for `listener`.
+    pub fn port(&self, listener: &str) -> u16 {
+        self.listener_ports
             .iter()
             .find(|(name, _)| name == listener)
             .map(|(_, port)| *port)
-            .unwrap_or_else(|| panic!("no listener {listener}"));
-        format!("http://127.0.0.1:{port}{path}")
+            .unwrap_or_else(|| panic!("no listener {listener}"))
+    }
+
+    pub fn url(&self, listener: &str, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port(listener))
     }
 
     pub fn prefill_requests(&self, id: &str) -> Vec<RecordedRequest> {

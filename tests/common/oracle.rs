@@ -66,6 +66,18 @@ fn members(text: &str) -> Result<Vec<(String, &RawValue)>, String> {
         .map_err(|e| format!("not a JSON object ({e}): {text}"))
 }
 
+/// The top-level members of a JSON object body in order, duplicates kept, each value as its
+/// raw JSON text; `None` when the bytes are not one JSON object.
+pub fn members_of(body: &[u8]) -> Option<Vec<(String, String)>> {
+    let members: Members = serde_json::from_slice(body).ok()?;
+    let owned = members.0.into_iter();
+    Some(
+        owned
+            .map(|(key, raw)| (key, raw.get().to_owned()))
+            .collect(),
+    )
+}
+
 fn utf8<'a>(what: &str, bytes: &'a [u8]) -> Result<&'a str, String> {
     std::str::from_utf8(bytes).map_err(|e| format!("{what} is not UTF-8: {e}"))
 }

@@ -22,11 +22,10 @@ pub struct RawResponse {
 }
 
 impl RawResponse {
+    /// The first header with that name, in any case.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(key, _)| key.eq_ignore_ascii_case(name))
-            .map(|(_, value)| value.as_str())
+        let mut headers = self.headers.iter();
+        headers.find_map(|(key, value)| key.eq_ignore_ascii_case(name).then_some(value.as_str()))
     }
 
     pub fn text(&self) -> String {

@@ -38,6 +38,7 @@ pub struct Request {
     headers: Vec<(String, String)>,
     body: Option<reqwest::Body>,
     connections: Option<Connections>,
+    timeout: Option<Duration>,
 }
 
 impl Request {
@@ -57,6 +58,7 @@ impl Request {
             headers: Vec::new(),
             body: None,
             connections: None,
+            timeout: None,
         }
     }
 
@@ -117,6 +119,12 @@ impl Request {
         self
     }
 
+    /// Gives the whole exchange this long instead of the connections' 30 s.
+    pub fn timeout(mut self, timeout: Duration) -> Request {
+        self.timeout = Some(timeout);
+        self
+    }
+
     /// Sends the request and reads the whole reply; panics when that fails.
     pub async fn send(self) -> Reply {
         self.try_send()
@@ -135,6 +143,9 @@ impl Request {
         }
         if let Some(body) = self.body {
             request = request.body(body);
+        }
+        if let Some(timeout) = self.timeout {
+            request = request.timeout(timeout);
         }
         let response = request.send().await.map_err(|e| format!("send: {e:?}"))?;
         let status = response.status().as_u16();
