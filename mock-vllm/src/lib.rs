@@ -319,6 +319,8 @@ struct Faults {
     kv_not_object: bool,
     non_json: bool,
     huge: Option<u64>,
+    /// Prefill: prompt tokens its prefix cache already held (`mock:prefill_cached_tokens=N`).
+    cached_tokens: Option<u64>,
 }
 
 impl Faults {
@@ -341,6 +343,7 @@ impl Faults {
             kv_not_object: prefill && flag("kv_not_object"),
             non_json: prefill && flag("non_json"),
             huge: if prefill { num("huge") } else { None },
+            cached_tokens: if prefill { num("cached_tokens") } else { None },
         }
     }
 }
@@ -432,7 +435,7 @@ async fn inference(
     })
 }
 
-fn answer(shared: &Shared, parsed: &Parsed, tokens: Vec<String>) -> Answer {
+fn answer(shared: &Shared, parsed: &Parsed, tokens: Vec<String>, cached_tokens: u64) -> Answer {
     let prefix = match parsed.endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",
@@ -450,6 +453,7 @@ fn answer(shared: &Shared, parsed: &Parsed, tokens: Vec<String>) -> Answer {
         model: parsed.model.clone(),
         n: parsed.n,
         prompt_tokens: parsed.prompt_tokens(),
+        cached_tokens: cached_tokens.min(parsed.prompt_tokens()),
         tokens,
     }
 }
@@ -481,7 +485,7 @@ fn object_response(object: &Value, cut: bool) -> Response<Body> {
 fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     let generated = parsed.limit.min(40);
     let tokens = proto::generate("prefill", &parsed.prompt, generated, false);
-    let answer = answer(shared, parsed, tokens);
+    let answer = answer(shared, parsed, tokens, faults.cached_tokens.unwrap_or(0));
     if parsed.stream {
         // vLLM only returns kv_transfer_params on non-streamed answers.
         return sse_response(&answer, parsed.include_usage, faults.reset_mid);
@@ -531,7 +535,13 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     );
     let garbage = outcome == "mismatch";
     let tokens = proto::generate("decode", &parsed.prompt, parsed.limit, garbage);
-    let answer = answer(shared, parsed, tokens);
+    // Like vLLM under P/D: the KV pulled from prefill counts as a prefix-cache hit.
+    let cached = if outcome == "reused" {
+        parsed.prompt_tokens()
+    } else {
+        0
+    };
+    let answer = answer(shared, parsed, tokens, cached);
     let mut resp = if parsed.stream {
         sse_response(&answer, parsed.include_usage, faults.reset_mid)
     } else {

@@ -238,6 +238,9 @@ pub(crate) struct Answer {
     pub model: String,
     pub n: u64,
     pub prompt_tokens: u64,
+    /// Prompt tokens found in the prefix cache: under P/D, all of decode's (it counts the
+    /// KV pulled from prefill as a hit), and prefill's own hits on prefill.
+    pub cached_tokens: u64,
     pub tokens: Vec<String>,
 }
 
@@ -247,8 +250,11 @@ impl Answer {
         let total = self.prompt_tokens + out;
         match self.endpoint {
             Endpoint::Responses => json!({"input_tokens": self.prompt_tokens,
-                "output_tokens": out, "total_tokens": total}),
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": total}),
             _ => json!({"prompt_tokens": self.prompt_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 "completion_tokens": out, "total_tokens": total}),
         }
     }
