@@ -9,6 +9,7 @@ pub mod paths;
 pub mod prefill_answer;
 pub mod rewrite;
 pub mod scheduling;
+pub mod usage;
 
 pub use errors::ClientError;
 pub use prefill_answer::{read_prefill_answer, FailureKind, PrefillAnswer, PrefillFailure};

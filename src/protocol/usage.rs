@@ -1,0 +1,347 @@
+//! Usage as one vLLM would count it. Decode counts the KV it pulled from prefill as a
+//! prefix-cache hit, so its `cached_tokens` is about its whole prompt on every request; the
+//! prompt was computed by prefill, whose counts are the true ones. The answer keeps decode's
+//! output counts and takes prefill's prompt counts, totals recomputed.
+
+use serde_json::{Map, Value};
+
+use crate::api::Api;
+use crate::json::{Edit, JsonObject};
+
+/// What prefill counted for the prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptUsage {
+    pub prompt_tokens: u64,
+    pub cached_tokens: Option<u64>,
+}
+
+/// The names an API gives the counts: prompt, output, and the prompt's details object.
+fn names(api: Api) -> (&'static str, &'static str, &'static str) {
+    match api {
+        Api::Responses => ("input_tokens", "output_tokens", "input_tokens_details"),
+        Api::Completions | Api::ChatCompletions => (
+            "prompt_tokens",
+            "completion_tokens",
+            "prompt_tokens_details",
+        ),
+    }
+}
+
+/// Prefill's prompt counts, from its (non-streamed) answer.
+pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
+    let object = JsonObject::parse(prefill_answer).ok()?;
+    let usage: Value = serde_json::from_slice(object.last_value("usage")?).ok()?;
+    let (prompt, _, details) = names(api);
+    Some(PromptUsage {
+        prompt_tokens: usage.get(prompt)?.as_u64()?,
+        cached_tokens: usage
+            .get(details)
+            .and_then(|details| details.get("cached_tokens"))
+            .and_then(Value::as_u64),
+    })
+}
+
+/// A usage object with prefill's prompt counts; `None` when it is not one to change.
+fn merged_usage(api: Api, usage: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
+    let Value::Object(mut usage) = serde_json::from_slice::<Value>(usage).ok()? else {
+        return None;
+    };
+    let (prompt_name, output_name, details_name) = names(api);
+    let output = usage.get(output_name).and_then(Value::as_u64)?;
+    usage.insert(prompt_name.to_owned(), prompt.prompt_tokens.into());
+    usage.insert(
+        "total_tokens".to_owned(),
+        prompt.prompt_tokens.saturating_add(output).into(),
+    );
+    let cached = prompt.cached_tokens.unwrap_or(0);
+    match usage.get_mut(details_name) {
+        Some(Value::Object(details)) => {
+            details.insert("cached_tokens".to_owned(), cached.into());
+        }
+        _ => {
+            let mut details = Map::new();
+            details.insert("cached_tokens".to_owned(), cached.into());
+            usage.insert(details_name.to_owned(), Value::Object(details));
+        }
+    }
+    serde_json::to_vec(&usage).ok()
+}
+
+/// `object` with its member `key` (an object or null) replaced by `rewrite` of it.
+fn replace_member(
+    object: &[u8],
+    key: &str,
+    rewrite: impl FnOnce(&[u8]) -> Option<Vec<u8>>,
+) -> Option<Vec<u8>> {
+    let parsed = JsonObject::parse(object).ok()?;
+    let value = parsed.last_value(key)?;
+    if !value.starts_with(b"{") {
+        return None;
+    }
+    let replacement = rewrite(value)?;
+    let splice = parsed.splice(
+        |member| {
+            if member == key {
+                Edit::Slot
+            } else {
+                Edit::Keep
+            }
+        },
+        &[],
+    );
+    Some(splice.write(object, &replacement))
+}
+
+/// Decode's non-streamed answer with prefill's prompt counts; `None` when there is nothing
+/// to change (no usage), and the answer goes as it is.
+pub fn merge_answer(api: Api, answer: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
+    replace_member(answer, "usage", |usage| merged_usage(api, usage, prompt))
+}
+
+/// One server-sent event (without its blank line) with prefill's prompt counts, where it
+/// carries usage: the usage chunk of completions and chat, the final `response.completed`
+/// event of responses. `None` for every other event.
+pub fn merge_event(api: Api, event: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
+    let marker: &[u8] = match api {
+        Api::Responses => b"response.completed",
+        Api::Completions | Api::ChatCompletions => b"\"usage\"",
+    };
+    if !contains(event, marker) {
+        return None;
+    }
+    // The event's data line: `data: {…}`.
+    let start = find(event, b"data:")? + b"data:".len();
+    let end = event
+        .get(start..)?
+        .iter()
+        .position(|&b| b == b'\n')
+        .map_or(event.len(), |at| start + at);
+    let data = event.get(start..end)?;
+    let lead = data.iter().take_while(|b| **b == b' ').count();
+    let json = data.get(lead..)?;
+    let merged = match api {
+        Api::Responses => replace_member(json, "response", |response| {
+            replace_member(response, "usage", |usage| merged_usage(api, usage, prompt))
+        })?,
+        Api::Completions | Api::ChatCompletions => {
+            replace_member(json, "usage", |usage| merged_usage(api, usage, prompt))?
+        }
+    };
+    let mut out = Vec::with_capacity(event.len() + 32);
+    out.extend_from_slice(event.get(..start + lead)?);
+    out.extend_from_slice(&merged);
+    out.extend_from_slice(event.get(end..)?);
+    Some(out)
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack
+        .windows(needle.len())
+        .position(|window| window == needle)
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    find(haystack, needle).is_some()
+}
+
+/// The longest event the rewriter holds back while waiting for its end; a longer one goes
+/// on as it is.
+const MAX_HELD_EVENT: usize = 1 << 20;
+
+/// Rewrites a stream of server-sent events chunk by chunk. Complete events pass through as
+/// they arrive, changed only where they carry usage; an event cut by a chunk boundary waits
+/// for its end (a client cannot use half an event anyway). The work per chunk does not
+/// depend on how long the answer is so far.
+#[derive(Debug, Default)]
+pub struct EventStream {
+    held: Vec<u8>,
+}
+
+impl EventStream {
+    /// The bytes to send on for `chunk`; `None` when they are exactly `chunk`.
+    pub fn on_chunk(
+        &mut self,
+        api: Api,
+        prompt: PromptUsage,
+        chunk: &[u8],
+        end_of_stream: bool,
+    ) -> Option<Vec<u8>> {
+        let had_held = !self.held.is_empty();
+        let joined;
+        let data: &[u8] = if had_held {
+            let mut both = std::mem::take(&mut self.held);
+            both.extend_from_slice(chunk);
+            joined = both;
+            &joined
+        } else {
+            chunk
+        };
+        let complete_end = if end_of_stream || data.len() > MAX_HELD_EVENT {
+            data.len()
+        } else {
+            data.windows(2)
+                .rposition(|w| w == b"\n\n")
+                .map_or(0, |at| at + 2)
+        };
+        let (complete, rest) = data.split_at(complete_end);
+        let mut out: Option<Vec<u8>> = None;
+        let mut cursor = 0;
+        for (at, _) in complete
+            .windows(2)
+            .enumerate()
+            .filter(|(_, w)| *w == b"\n\n")
+        {
+            if let Some(event) = complete.get(cursor..at) {
+                if let Some(merged) = merge_event(api, event, prompt) {
+                    let buffer = out.get_or_insert_with(|| {
+                        let mut buffer = Vec::with_capacity(complete.len() + 64);
+                        buffer.extend_from_slice(complete.get(..cursor).unwrap_or_default());
+                        buffer
+                    });
+                    buffer.extend_from_slice(&merged);
+                    buffer.extend_from_slice(b"\n\n");
+                } else if let Some(buffer) = out.as_mut() {
+                    buffer.extend_from_slice(complete.get(cursor..at + 2).unwrap_or_default());
+                }
+            }
+            cursor = at + 2;
+        }
+        if let Some(buffer) = out.as_mut() {
+            buffer.extend_from_slice(complete.get(cursor..).unwrap_or_default());
+        }
+        self.held = rest.to_vec();
+        match out {
+            Some(buffer) => Some(buffer),
+            None if !had_held && rest.is_empty() => None,
+            None => Some(complete.to_vec()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const PROMPT: PromptUsage = PromptUsage {
+        prompt_tokens: 7,
+        cached_tokens: Some(2),
+    };
+
+    fn value(bytes: &[u8]) -> Value {
+        serde_json::from_slice(bytes).unwrap()
+    }
+
+    #[test]
+    fn prefills_prompt_counts_are_read_per_api() {
+        let chat = br#"{"usage":{"prompt_tokens":7,"completion_tokens":1,"total_tokens":8,"prompt_tokens_details":{"cached_tokens":2}}}"#;
+        assert_eq!(prompt_usage(Api::ChatCompletions, chat), Some(PROMPT));
+        let responses = br#"{"usage":{"input_tokens":7,"output_tokens":1,"input_tokens_details":{"cached_tokens":2}}}"#;
+        assert_eq!(prompt_usage(Api::Responses, responses), Some(PROMPT));
+        let bare = br#"{"usage":{"prompt_tokens":7}}"#;
+        assert_eq!(
+            prompt_usage(Api::Completions, bare),
+            Some(PromptUsage {
+                prompt_tokens: 7,
+                cached_tokens: None
+            })
+        );
+        assert_eq!(prompt_usage(Api::Completions, b"{}"), None);
+        assert_eq!(prompt_usage(Api::Completions, br#"{"usage":null}"#), None);
+    }
+
+    #[test]
+    fn a_non_streamed_answer_gets_prefills_prompt_and_decodes_output() {
+        let answer = br#"{"id":"x","choices":[{"text":"hi"}],"usage":{"prompt_tokens":7,"completion_tokens":5,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":7}}}"#;
+        let merged = value(&merge_answer(Api::Completions, answer, PROMPT).unwrap());
+        assert_eq!(
+            merged["usage"],
+            json!({"prompt_tokens":7,"completion_tokens":5,"total_tokens":12,
+                   "prompt_tokens_details":{"cached_tokens":2}})
+        );
+        assert_eq!(merged["choices"], json!([{"text":"hi"}]));
+
+        let responses =
+            br#"{"id":"r","usage":{"input_tokens":9,"output_tokens":3,"total_tokens":12}}"#;
+        let merged = value(&merge_answer(Api::Responses, responses, PROMPT).unwrap());
+        assert_eq!(
+            merged["usage"],
+            json!({"input_tokens":7,"output_tokens":3,"total_tokens":10,
+                   "input_tokens_details":{"cached_tokens":2}})
+        );
+        assert_eq!(
+            merge_answer(Api::Completions, br#"{"id":"x"}"#, PROMPT),
+            None
+        );
+        assert_eq!(merge_answer(Api::Completions, b"not json", PROMPT), None);
+    }
+
+    #[test]
+    fn only_usage_events_change() {
+        let usage = br#"data: {"id":"c","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":4,"total_tokens":11,"prompt_tokens_details":{"cached_tokens":7}}}"#;
+        let merged = merge_event(Api::ChatCompletions, usage, PROMPT).unwrap();
+        let data = value(merged.strip_prefix(b"data: ").unwrap());
+        assert_eq!(data["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+        assert_eq!(data["usage"]["total_tokens"], 11);
+        for other in [
+            &br#"data: {"id":"c","choices":[{"delta":{"content":"usage"}}]}"#[..],
+            b"data: [DONE]",
+            br#"data: {"choices":[],"usage":null}"#,
+        ] {
+            assert_eq!(merge_event(Api::ChatCompletions, other, PROMPT), None);
+        }
+        let completed = br#"event: response.completed
+data: {"type":"response.completed","response":{"id":"r","usage":{"input_tokens":7,"output_tokens":2,"total_tokens":9}}}"#;
+        let merged = merge_event(Api::Responses, completed, PROMPT).unwrap();
+        let text = String::from_utf8(merged).unwrap();
+        let (head, data) = text.split_once("data: ").unwrap();
+        assert_eq!(head, "event: response.completed\n");
+        assert_eq!(
+            value(data.as_bytes())["response"]["usage"]["total_tokens"],
+            9
+        );
+        assert_eq!(
+            value(data.as_bytes())["response"]["usage"]["input_tokens_details"]["cached_tokens"],
+            2
+        );
+    }
+
+    #[test]
+    fn a_stream_passes_through_untouched_but_for_its_usage_event() {
+        let token = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n";
+        let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}\n\n";
+        let done = "data: [DONE]\n\n";
+        let mut stream = EventStream::default();
+        let api = Api::ChatCompletions;
+        assert_eq!(stream.on_chunk(api, PROMPT, token.as_bytes(), false), None);
+        let merged = stream
+            .on_chunk(api, PROMPT, format!("{token}{usage}").as_bytes(), false)
+            .unwrap();
+        let text = String::from_utf8(merged).unwrap();
+        assert!(text.starts_with(token));
+        assert!(text.contains("\"cached_tokens\":2"));
+        assert!(text.ends_with("\n\n"));
+        assert_eq!(stream.on_chunk(api, PROMPT, done.as_bytes(), true), None);
+    }
+
+    #[test]
+    fn an_event_cut_by_a_chunk_boundary_waits_for_its_end() {
+        let whole = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}\n\ndata: [DONE]\n\n";
+        for cut in 1..whole.len() {
+            let mut stream = EventStream::default();
+            let api = Api::Completions;
+            let (first, second) = whole.as_bytes().split_at(cut);
+            let mut out = Vec::new();
+            for (chunk, end) in [(first, false), (second, true)] {
+                match stream.on_chunk(api, PROMPT, chunk, end) {
+                    Some(bytes) => out.extend_from_slice(&bytes),
+                    None => out.extend_from_slice(chunk),
+                }
+            }
+            let text = String::from_utf8(out).unwrap();
+            assert!(text.contains("\"cached_tokens\":2"), "cut at {cut}: {text}");
+            assert!(text.ends_with("data: [DONE]\n\n"), "cut at {cut}");
+            assert_eq!(text.matches("\n\n").count(), 3, "cut at {cut}");
+        }
+    }
+}
