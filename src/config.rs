@@ -22,6 +22,16 @@ pub enum MissingKvPolicy {
     Fail,
 }
 
+/// What the client's usage counts are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UsagePolicy {
+    /// Prompt counts (and `cached_tokens`) from prefill, output counts from decode.
+    Merge,
+    /// Decode's, untouched.
+    Decode,
+}
+
 /// What to do when the prefill leg fails (after its retries) with anything but a 4xx.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -53,6 +63,7 @@ struct RawConfig {
     forward_headers: Vec<String>,
     prefill_time_header: Option<String>,
     release_kv_on_abandon: bool,
+    usage: UsagePolicy,
     decode_cluster: String,
     max_kv_releases_in_flight: u32,
     kv_release_timeout_ms: u64,
@@ -74,7 +85,10 @@ impl Default for RawConfig {
                 .collect(),
             max_request_body_bytes: 8 * 1024 * 1024,
             on_missing_kv_transfer_params: MissingKvPolicy::DecodeOnly,
-            forward_headers: vec!["authorization".to_owned()],
+            forward_headers: DEFAULT_FORWARD_HEADERS
+                .iter()
+                .map(|name| (*name).to_owned())
+                .collect(),
             prefill_time_header: None,
             model_prefill_clusters: BTreeMap::new(),
             model_header: None,
@@ -85,12 +99,28 @@ impl Default for RawConfig {
             on_prefill_failure: PrefillFailurePolicy::Fail,
             replace_local_remote_host: false,
             release_kv_on_abandon: true,
+            usage: UsagePolicy::Merge,
             decode_cluster: "decode".to_owned(),
             max_kv_releases_in_flight: 64,
             kv_release_timeout_ms: 30_000,
         }
     }
 }
+
+/// Client headers the prefill call carries by default: credentials and trace context (W3C
+/// and B3), so that a trace shows both legs.
+pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
+    "authorization",
+    "traceparent",
+    "tracestate",
+    "baggage",
+    "b3",
+    "x-b3-traceid",
+    "x-b3-spanid",
+    "x-b3-parentspanid",
+    "x-b3-sampled",
+    "x-b3-flags",
+];
 
 /// vLLM's generation APIs that the filter does not orchestrate: their requests go to decode
 /// with any client `kv_transfer_params` removed, so that no client can make decode pull KV
@@ -145,6 +175,7 @@ pub struct Config {
     /// Release prefill's KV when its decode leg will never run (the client left, decode was
     /// never reached, or the filter answered an error after prefill).
     pub release_kv_on_abandon: bool,
+    pub usage: UsagePolicy,
     /// The decode cluster releases are sent to.
     pub decode_cluster: String,
     pub max_kv_releases_in_flight: u32,
@@ -299,6 +330,7 @@ impl Config {
             on_missing_kv_transfer_params: raw.on_missing_kv_transfer_params,
             forward_headers,
             release_kv_on_abandon: raw.release_kv_on_abandon,
+            usage: raw.usage,
             decode_cluster: raw.decode_cluster,
             max_kv_releases_in_flight: raw.max_kv_releases_in_flight,
             kv_release_timeout: Duration::from_millis(raw.kv_release_timeout_ms),
@@ -355,7 +387,10 @@ mod tests {
                 config.on_missing_kv_transfer_params,
                 MissingKvPolicy::DecodeOnly
             );
-            assert_eq!(config.forward_headers, vec!["authorization"]);
+            assert_eq!(
+                config.forward_headers[..2],
+                ["authorization", "traceparent"]
+            );
             assert_eq!(config.prefill_time_header, None);
         }
     }

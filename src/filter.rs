@@ -21,7 +21,9 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use crate::config::Config;
 use crate::protocol::kv_release::{release_succeeded, ReleaseBudget};
 use crate::request_id::new_request_id;
-use crate::session::{BodyStep, Command, Flow, HostFailure, HttpCall, Metric, Session, Step};
+use crate::session::{
+    BodyStep, Command, Flow, HostFailure, HttpCall, Metric, ResponseHead, Session, Step,
+};
 use crate::stats::Stats;
 
 proxy_wasm::main! {{
@@ -341,6 +343,25 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
                 );
             }
         }
+        Command::RemoveResponseHeader(name) => {
+            if let Err(status) = hostcalls::set_map_value(MapType::HttpResponseHeaders, &name, None)
+            {
+                log::warn!(
+                    "[{}] could not remove response header {name}: {status:?}",
+                    request_id()
+                );
+            }
+        }
+        Command::ReplaceResponseBody { body, replaced_len } => {
+            if let Err(status) =
+                hostcalls::set_buffer(BufferType::HttpResponseBody, 0, replaced_len, &body)
+            {
+                log::warn!(
+                    "[{}] set_buffer(HttpResponseBody): {status:?}",
+                    request_id()
+                );
+            }
+        }
         Command::AddResponseHeader { name, value } => {
             if let Err(status) =
                 hostcalls::add_map_value(MapType::HttpResponseHeaders, &name, &value)
@@ -478,20 +499,51 @@ impl HttpContext for PdRequest {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let headers = hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default();
+        let value = |name: &str| {
+            headers
+                .iter()
+                .find(|(key, _)| key == name)
+                .and_then(|(_, value)| std::str::from_utf8(value).ok())
+        };
         let wanted = self.request.session.borrow().wants_response_details();
         let details = wanted
             .then(|| hostcalls::get_property(vec!["response", "code_details"]).ok())
             .flatten()
             .flatten()
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
-        let commands = self
-            .request
-            .session
-            .borrow_mut()
-            .on_response_headers(details.as_deref());
+        let head = ResponseHead {
+            status: value(":status").and_then(|status| status.parse().ok()),
+            content_type: value("content-type"),
+            has_request_id: value("x-request-id").is_some(),
+            code_details: details.as_deref(),
+        };
+        let commands = self.request.session.borrow_mut().on_response_headers(&head);
         self.worker
             .act_on(&self.request, commands, In::Request, now());
         Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let step = self
+            .request
+            .session
+            .borrow_mut()
+            .on_response_body(body_size, end_of_stream);
+        let step = match step {
+            BodyStep::Step(step) => step,
+            BodyStep::ReadBody => {
+                let body = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_default();
+                self.request
+                    .session
+                    .borrow_mut()
+                    .on_response_body_read(&body, end_of_stream)
+            }
+        };
+        self.run(step)
     }
 }
 

@@ -8,13 +8,14 @@ use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
 use crate::api::Api;
-use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy};
+use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy, UsagePolicy};
 use crate::protocol::kv_release::decode_never_read;
 use crate::protocol::paths::PathVerdict;
 use crate::protocol::rewrite::{kv_release_body, strip_kv_transfer_params};
 use crate::protocol::scheduling::{
     check_model_for_header, parse_prefill_hosts, with_reachable_remote_host,
 };
+use crate::protocol::usage::{merge_answer, prompt_usage, EventStream, PromptUsage};
 use crate::protocol::{
     check_content_type, prepare, read_prefill_answer, ClientError, DecodePlan, FailureKind,
     PrefillAnswer, PrefillFailure,
@@ -63,6 +64,13 @@ pub enum Command {
     AddResponseHeader {
         name: String,
         value: String,
+    },
+    /// Removes a response header (only while the response headers are being read).
+    RemoveResponseHeader(String),
+    /// Replaces the response body seen so far, `replaced_len` bytes long.
+    ReplaceResponseBody {
+        body: Vec<u8>,
+        replaced_len: usize,
     },
     Record(Metric),
 }
@@ -157,11 +165,35 @@ enum State {
     Decoding {
         prefill_time: Option<Duration>,
         unread_kv: Option<UnreadKv>,
+        /// Prefill's prompt counts, to put into decode's usage.
+        prompt_usage: Option<(Api, PromptUsage)>,
+        answer: AnswerRewrite,
     },
     /// The filter answered the client.
     Answered,
     /// The client is gone.
     Finished,
+}
+
+/// How decode's answer is changed on its way to the client.
+enum AnswerRewrite {
+    /// Not at all.
+    Untouched,
+    /// A JSON answer, held whole and written again with merged usage.
+    Whole,
+    /// Server-sent events, passed on as they come but for the usage event.
+    Events(EventStream),
+}
+
+/// What the response headers tell the session.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResponseHead<'a> {
+    pub status: Option<u16>,
+    pub content_type: Option<&'a str>,
+    pub has_request_id: bool,
+    /// Envoy's `response.code_details` (`via_upstream` for decode's own answer), when asked
+    /// for ([`Session::wants_response_details`]).
+    pub code_details: Option<&'a str>,
 }
 
 /// KV that prefill made and decode has not read yet.
@@ -570,6 +602,9 @@ impl Session {
                 });
                 commands.push(Command::ResumeRequest);
                 let prefill_time = Some(prefill.elapsed(now));
+                let prompt_usage = (config.usage == UsagePolicy::Merge)
+                    .then(|| prompt_usage(prefill.api, body).map(|usage| (prefill.api, usage)))
+                    .flatten();
                 let unread_kv = config.release_kv_on_abandon.then(|| UnreadKv {
                     api: prefill.api,
                     kv_transfer_params: kv.to_vec(),
@@ -579,6 +614,8 @@ impl Session {
                 self.state = State::Decoding {
                     prefill_time,
                     unread_kv,
+                    prompt_usage,
+                    answer: AnswerRewrite::Untouched,
                 };
                 commands
             }
@@ -686,6 +723,8 @@ impl Session {
         self.state = State::Decoding {
             prefill_time: Some(prefill.elapsed(now)),
             unread_kv: None,
+            prompt_usage: None,
+            answer: AnswerRewrite::Untouched,
         };
         commands
     }
@@ -716,15 +755,16 @@ impl Session {
         )
     }
 
-    /// The response to the client begins. `code_details` is Envoy's account of where it came
-    /// from (`via_upstream` for decode's own answer).
-    pub fn on_response_headers(&mut self, code_details: Option<&str>) -> Vec<Command> {
+    /// The response to the client begins.
+    pub fn on_response_headers(&mut self, head: &ResponseHead) -> Vec<Command> {
         let Some(config) = self.config.clone() else {
             return Vec::new();
         };
         let State::Decoding {
             prefill_time,
             unread_kv,
+            prompt_usage,
+            answer,
         } = &mut self.state
         else {
             return Vec::new();
@@ -736,18 +776,83 @@ impl Session {
                 value: elapsed.as_millis().to_string(),
             });
         }
+        if !head.has_request_id && !self.request_id.is_empty() {
+            commands.push(Command::AddResponseHeader {
+                name: "x-request-id".to_owned(),
+                value: self.request_id.clone(),
+            });
+        }
+        if prompt_usage.is_some() && head.status == Some(200) {
+            let essence = head
+                .content_type
+                .and_then(|value| value.split(';').next())
+                .map(str::trim)
+                .unwrap_or_default();
+            if essence.eq_ignore_ascii_case("text/event-stream") {
+                *answer = AnswerRewrite::Events(EventStream::default());
+            } else if essence.eq_ignore_ascii_case("application/json") {
+                *answer = AnswerRewrite::Whole;
+                commands.push(Command::RemoveResponseHeader("content-length".to_owned()));
+            }
+        }
         // Decode has the request from here on, or never will.
-        if let Some(unread) = unread_kv.take() {
-            if code_details.is_some_and(decode_never_read) {
+        let unread = unread_kv.take();
+        if let Some(unread) = unread {
+            if head.code_details.is_some_and(decode_never_read) {
                 log::debug!(
                     "[{}] decode was never reached ({}); releasing the KV",
                     self.request_id,
-                    code_details.unwrap_or_default()
+                    head.code_details.unwrap_or_default()
                 );
                 commands.extend(self.release(&config, unread));
             }
         }
         commands
+    }
+
+    /// `size` bytes of the answer arrived (all of it held so far, for a whole answer).
+    pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
+        let limit = self.config_limit().unwrap_or_default();
+        match &mut self.state {
+            State::Decoding { answer, .. } => match answer {
+                AnswerRewrite::Untouched => BodyStep::Step(Step::new(Flow::Continue, vec![])),
+                AnswerRewrite::Events(_) => BodyStep::ReadBody,
+                // Larger than any answer worth holding: it goes on as it is.
+                AnswerRewrite::Whole if size > limit => {
+                    *answer = AnswerRewrite::Untouched;
+                    BodyStep::Step(Step::new(Flow::Continue, vec![]))
+                }
+                AnswerRewrite::Whole if end_of_stream => BodyStep::ReadBody,
+                AnswerRewrite::Whole => BodyStep::Step(Step::new(Flow::Pause, vec![])),
+            },
+            _ => BodyStep::Step(Step::new(Flow::Continue, vec![])),
+        }
+    }
+
+    /// The answer's bytes asked for by [`Session::on_response_body`]: the latest chunk of an
+    /// event stream, or the whole of a JSON answer.
+    pub fn on_response_body_read(&mut self, body: &[u8], end_of_stream: bool) -> Step {
+        let State::Decoding {
+            prompt_usage: Some((api, prompt)),
+            answer,
+            ..
+        } = &mut self.state
+        else {
+            return Step::new(Flow::Continue, vec![]);
+        };
+        let rewritten = match answer {
+            AnswerRewrite::Untouched => None,
+            AnswerRewrite::Whole => merge_answer(*api, body, *prompt),
+            AnswerRewrite::Events(events) => events.on_chunk(*api, *prompt, body, end_of_stream),
+        };
+        let commands = rewritten
+            .map(|rewritten| Command::ReplaceResponseBody {
+                body: rewritten,
+                replaced_len: body.len(),
+            })
+            .into_iter()
+            .collect();
+        Step::new(Flow::Continue, commands)
     }
 
     /// A host call failed; the request cannot go on as planned.

@@ -6,6 +6,8 @@ pub struct ClientError {
     pub status: u16,
     pub error_type: String,
     pub message: String,
+    /// An upstream's own error body, answered as it was written instead of ours.
+    pub verbatim: Option<Vec<u8>>,
 }
 
 impl ClientError {
@@ -14,6 +16,7 @@ impl ClientError {
             status,
             error_type: default_error_type(status).to_owned(),
             message: message.into(),
+            verbatim: None,
         }
     }
 
@@ -53,6 +56,9 @@ impl ClientError {
     }
 
     pub fn to_json(&self) -> Vec<u8> {
+        if let Some(body) = &self.verbatim {
+            return body.clone();
+        }
         #[derive(serde::Serialize)]
         struct Envelope<'a> {
             error: Detail<'a>,

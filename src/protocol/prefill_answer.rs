@@ -124,7 +124,10 @@ pub fn read_prefill_answer(status: Option<u16>, body: &[u8]) -> PrefillAnswer<'_
                 error: ClientError {
                     status,
                     error_type: error_type.unwrap_or_else(|| default_error_type(status).to_owned()),
+                    // The log names the leg; the client gets vLLM's own error, as a single
+                    // vLLM would have answered it.
                     message: format!("prefill rejected the request ({status}): {message}"),
+                    verbatim: vllm_error_body(body),
                 },
             })
         }
@@ -173,6 +176,21 @@ fn find_kv_transfer_params(body: &[u8]) -> Result<&[u8], String> {
 }
 
 const MAX_QUOTED_UPSTREAM_TEXT: usize = 512;
+const MAX_VERBATIM_ERROR: usize = 64 * 1024;
+
+/// A vLLM error answer (`{"error":{…}}`, or the older `{"object":"error",…}`), to pass on
+/// as it is; anything else is answered in the filter's own words.
+fn vllm_error_body(body: &[u8]) -> Option<Vec<u8>> {
+    if body.len() > MAX_VERBATIM_ERROR {
+        return None;
+    }
+    let object = JsonObject::parse(body).ok()?;
+    let is_error = object
+        .last_value("error")
+        .is_some_and(|v| v.starts_with(b"{"))
+        || object.last_value("object") == Some(b"\"error\"");
+    is_error.then(|| body.to_vec())
+}
 
 /// The `error.type` and `error.message` of an upstream error body, or its text.
 fn upstream_error(body: &[u8]) -> (Option<String>, String) {
@@ -250,11 +268,16 @@ mod tests {
     }
 
     #[test]
-    fn prefill_client_errors_pass_on_status_and_message() {
+    fn prefill_client_errors_pass_on_as_vllm_wrote_them() {
         let body = br#"{"error":{"message":"min_tokens must be less than or equal to max_tokens=1, got 200.","type":"BadRequestError","param":null,"code":400}}"#;
-        let failure = failure(Some(400), body);
-        assert_eq!(failure.kind, FailureKind::Status);
-        let err = failure.error;
+        let rejected = failure(Some(400), body);
+        assert_eq!(rejected.kind, FailureKind::Status);
+        assert_eq!(rejected.error.to_json(), body);
+        let old_shape = br#"{"object":"error","message":"m","type":"BadRequestError","code":400}"#;
+        assert_eq!(failure(Some(422), old_shape).error.to_json(), old_shape);
+        let text = failure(Some(404), b"Not Found").error.to_json();
+        assert!(text.starts_with(br#"{"error":{"message":"prefill rejected the request (404)"#));
+        let err = rejected.error;
         assert_eq!(err.status, 400);
         assert_eq!(err.error_type, "BadRequestError");
         assert_eq!(

@@ -152,7 +152,7 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
     ))));
 
     assert_eq!(
-        session.on_response_headers(Some("via_upstream")),
+        session.on_response_headers(&upstream(200)),
         vec![Command::AddResponseHeader {
             name: "x-pd-prefill-ms".into(),
             value: "40".into()
@@ -278,6 +278,24 @@ fn a_decode_body_that_would_not_fit_is_413_and_never_written() {
     released(&commands);
 }
 
+fn upstream(status: u16) -> ResponseHead<'static> {
+    ResponseHead {
+        status: Some(status),
+        content_type: Some("application/json"),
+        has_request_id: true,
+        code_details: Some("via_upstream"),
+    }
+}
+
+fn unreached(details: &'static str) -> ResponseHead<'static> {
+    ResponseHead {
+        status: Some(503),
+        content_type: Some("text/plain"),
+        has_request_id: true,
+        code_details: Some(details),
+    }
+}
+
 fn released(commands: &[Command]) -> Value {
     let call = commands
         .iter()
@@ -350,27 +368,32 @@ fn kv_is_released_only_when_decode_never_took_the_request() {
     let unreachable = "upstream_reset_before_response_started{remote_connection_failure}";
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
-    released(&s.on_response_headers(Some(unreachable)));
-    assert!(s.on_response_headers(Some(unreachable)).is_empty(), "once");
+    released(&s.on_response_headers(&unreached(unreachable)));
+    assert!(
+        s.on_response_headers(&unreached(unreachable)).is_empty(),
+        "once"
+    );
 
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
-    assert!(!has_release(&s.on_response_headers(Some("via_upstream"))));
+    assert!(!has_release(&s.on_response_headers(&upstream(200))));
 
     // The client leaving mid-stream: decode has the KV already.
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
-    s.on_response_headers(Some("via_upstream"));
+    s.on_response_headers(&upstream(200));
     s.on_client_gone();
     let mut s2 = prefilling("");
     s2.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     s2.on_client_gone();
-    assert!(s2.on_response_headers(Some(unreachable)).is_empty());
+    assert!(s2.on_response_headers(&unreached(unreachable)).is_empty());
 
     // Without kv_transfer_params (decode only) there is nothing to release.
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), b"{}", at(5));
-    assert!(!has_release(&s.on_response_headers(Some(unreachable))));
+    assert!(!has_release(
+        &s.on_response_headers(&unreached(unreachable))
+    ));
 
     // A body that could not be written: the client gets 500, the KV is released.
     let mut s = prefilling("");
@@ -693,4 +716,81 @@ fn host_failures_become_500() {
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
     let commands = s.on_host_failure(HostFailure::ReplaceRequestBody);
     assert_eq!(reply(&commands).0, 500);
+}
+
+fn prefill_with_usage(cached: u64) -> String {
+    format!(
+        r#"{{"id":"p","kv_transfer_params":{KV},"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
+    )
+}
+
+#[test]
+fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
+    let answer = br#"{"id":"d","choices":[{"text":"abc"}],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":3}}}"#;
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_with_usage(1).as_bytes(), at(5));
+    let commands = s.on_response_headers(&upstream(200));
+    assert!(commands.contains(&Command::RemoveResponseHeader("content-length".into())));
+    assert_eq!(
+        s.on_response_body(10, false),
+        BodyStep::Step(Step::new(Flow::Pause, vec![])),
+        "a JSON answer is held until it is whole"
+    );
+    assert_eq!(s.on_response_body(answer.len(), true), BodyStep::ReadBody);
+    let step = s.on_response_body_read(answer, true);
+    let Some(Command::ReplaceResponseBody { body, replaced_len }) = step.commands.first() else {
+        panic!("{:?}", step.commands);
+    };
+    assert_eq!(*replaced_len, answer.len());
+    let merged: Value = serde_json::from_slice(body).unwrap();
+    assert_eq!(merged["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
+    assert_eq!(merged["usage"]["completion_tokens"], 9);
+    assert_eq!(merged["usage"]["total_tokens"], 12);
+
+    // A stream: only the usage event changes, every other chunk goes as it came.
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_with_usage(0).as_bytes(), at(5));
+    let head = ResponseHead {
+        content_type: Some("text/event-stream; charset=utf-8"),
+        ..upstream(200)
+    };
+    assert!(!s
+        .on_response_headers(&head)
+        .contains(&Command::RemoveResponseHeader("content-length".into())));
+    let token = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
+    assert_eq!(s.on_response_body(token.len(), false), BodyStep::ReadBody);
+    assert!(s.on_response_body_read(token, false).commands.is_empty());
+    let usage = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1,\"total_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":3}}}\n\n";
+    let step = s.on_response_body_read(usage, false);
+    assert!(matches!(
+        step.commands.as_slice(),
+        [Command::ReplaceResponseBody { .. }]
+    ));
+
+    // Configured off, or an error answer: untouched.
+    for (config, status) in [(r#"{"usage":"decode"}"#, 200), ("", 500)] {
+        let mut s = prefilling(config);
+        s.on_prefill_answer(1, Some(200), prefill_with_usage(1).as_bytes(), at(5));
+        s.on_response_headers(&upstream(status));
+        assert_eq!(
+            s.on_response_body(answer.len(), true),
+            BodyStep::Step(Step::new(Flow::Continue, vec![]))
+        );
+    }
+}
+
+#[test]
+fn every_answer_of_an_orchestrated_request_carries_its_request_id() {
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    let head = ResponseHead {
+        has_request_id: false,
+        ..upstream(200)
+    };
+    assert!(s
+        .on_response_headers(&head)
+        .contains(&Command::AddResponseHeader {
+            name: "x-request-id".into(),
+            value: "req-1".into()
+        }));
 }
