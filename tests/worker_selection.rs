@@ -127,7 +127,7 @@ async fn client_errors_are_not_retried() {
         .body(json!({"prompt": "mock:prefill_status=400", "max_tokens": 2}).to_string())
         .send()
         .await;
-    reply.assert_error(400, "prefill rejected the request (400)");
+    reply.assert_error(400, "mock prefill failure 400");
     assert_eq!(h.prefill_b.requests_with_id(&id).len(), 1);
 }
 

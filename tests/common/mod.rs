@@ -98,6 +98,7 @@ pub const LISTENERS: &[Listener] = &[
         buffer_limit_bytes: 65536,
         ..plain("tight_buffer", r#"{"max_request_body_bytes":65536}"#)
     },
+    plain("usage_decode", r#"{"usage":"decode"}"#),
     // Decode cannot be reached; KV releases still go to the `decode` cluster.
     Listener {
         decode_route: DecodeRoute::Unreachable,

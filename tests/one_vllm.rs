@@ -1,0 +1,182 @@
+//! To a client, a P/D pair behind the filter answers like one vLLM: usage with prefill's
+//! prompt counts and decode's output counts, vLLM's own errors, the request id both workers
+//! logged, and one trace over both legs.
+
+mod common;
+
+use common::{answer_text, expected_decode_text, harness, unique_id, Request};
+use serde_json::{json, Value};
+
+/// The mock prefill reports this many prompt tokens from its own prefix cache; the mock
+/// decode reports its whole prompt as cached (the KV it pulled), as vLLM does under P/D.
+const PREFILL_CACHED: u64 = 2;
+
+struct Api {
+    path: &'static str,
+    prompt: &'static str,
+    output: &'static str,
+    details: &'static str,
+}
+
+const APIS: [Api; 3] = [
+    Api {
+        path: "/v1/completions",
+        prompt: "prompt_tokens",
+        output: "completion_tokens",
+        details: "prompt_tokens_details",
+    },
+    Api {
+        path: "/v1/chat/completions",
+        prompt: "prompt_tokens",
+        output: "completion_tokens",
+        details: "prompt_tokens_details",
+    },
+    Api {
+        path: "/v1/responses",
+        prompt: "input_tokens",
+        output: "output_tokens",
+        details: "input_tokens_details",
+    },
+];
+
+fn body(api: &Api, words: &str, stream: bool) -> Value {
+    let text = format!("{words} mock:prefill_cached_tokens={PREFILL_CACHED}");
+    let mut body = match api.path {
+        "/v1/completions" => json!({"model": "m", "prompt": text, "max_tokens": 5}),
+        "/v1/chat/completions" => json!({"model": "m", "max_tokens": 5,
+            "messages": [{"role": "user", "content": text}]}),
+        _ => json!({"model": "m", "input": text, "max_output_tokens": 5}),
+    };
+    if stream {
+        body["stream"] = json!(true);
+        if api.path != "/v1/responses" {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+    }
+    body
+}
+
+/// The usage the client got: the answer's, the usage chunk's, or `response.completed`'s.
+fn client_usage(answer: &str) -> Value {
+    if let Ok(object) = serde_json::from_str::<Value>(answer) {
+        return object["usage"].clone();
+    }
+    answer
+        .split("\n\n")
+        .filter_map(|event| event.lines().find_map(|l| l.strip_prefix("data: ")))
+        .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+        .find_map(|data| {
+            let usage = data
+                .get("usage")
+                .or_else(|| data["response"].get("usage"))?;
+            (!usage.is_null()).then(|| usage.clone())
+        })
+        .expect("a usage event")
+}
+
+#[tokio::test]
+async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
+    let h = harness();
+    for api in &APIS {
+        for stream in [false, true] {
+            let id = unique_id("usage");
+            let sent = body(api, "count my tokens", stream);
+            let reply = Request::post("default", api.path)
+                .id(&id)
+                .body(sent.to_string())
+                .send()
+                .await;
+            let case = format!("{} stream={stream}", api.path);
+            assert_eq!(reply.status, 200, "{case}: {}", reply.body);
+            assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+            assert_eq!(h.only_prefill(&id).json()["stream"], false, "{case}");
+            let usage = client_usage(&reply.body);
+            assert_eq!(
+                usage[api.details]["cached_tokens"], PREFILL_CACHED,
+                "{case}: {usage}"
+            );
+            assert_eq!(usage[api.output], 5, "{case}: {usage}");
+            let prompt = usage[api.prompt].as_u64().unwrap();
+            assert_eq!(usage["total_tokens"], prompt + 5, "{case}: {usage}");
+            // Every other byte is decode's: the text and, for streams, an intact stream.
+            let (text, _, ended) = answer_text(&reply.body);
+            assert!(ended, "{case}");
+            assert_eq!(text, expected_decode_text("count", 5), "{case}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn usage_is_decodes_when_configured_so() {
+    let id = unique_id("usage-decode");
+    let sent = body(&APIS[0], "leave my usage", false);
+    let reply = Request::post("usage_decode", APIS[0].path)
+        .id(&id)
+        .body(sent.to_string())
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let usage = client_usage(&reply.body);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"],
+        usage["prompt_tokens"]
+    );
+}
+
+#[tokio::test]
+async fn prefill_errors_reach_the_client_as_vllm_wrote_them() {
+    let id = unique_id("vllm-error");
+    let reply = Request::post("default", "/v1/completions")
+        .id(&id)
+        .body(json!({"prompt": "bad mock:prefill_status=400", "max_tokens": 3}).to_string())
+        .send()
+        .await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    let error = reply.json();
+    assert_eq!(error["error"]["message"], "mock prefill failure 400");
+    assert_eq!(reply.header("x-request-id"), Some(id.as_str()));
+}
+
+#[tokio::test]
+async fn every_answer_carries_the_request_id_both_legs_logged() {
+    let h = harness();
+    let sent = body(&APIS[1], "which id", false).to_string();
+    let reply = Request::post("default", APIS[1].path)
+        .body(&sent)
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let id = reply
+        .header("x-request-id")
+        .expect("x-request-id")
+        .to_owned();
+    assert_eq!(
+        h.only_prefill(&id).header("x-request-id"),
+        Some(id.as_str())
+    );
+    assert_eq!(h.only_decode(&id).header("x-request-id"), Some(id.as_str()));
+}
+
+#[tokio::test]
+async fn trace_headers_reach_prefill() {
+    let h = harness();
+    let id = unique_id("trace");
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let reply = Request::post("default", APIS[0].path)
+        .id(&id)
+        .header("traceparent", traceparent)
+        .header("tracestate", "vendor=1")
+        .header("x-b3-traceid", "80f198ee56343ba864fe8b2a57d3eff7")
+        .body(body(&APIS[0], "trace me", false).to_string())
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let prefill = h.only_prefill(&id);
+    assert_eq!(prefill.header("traceparent"), Some(traceparent));
+    assert_eq!(prefill.header("tracestate"), Some("vendor=1"));
+    assert_eq!(
+        prefill.header("x-b3-traceid"),
+        Some("80f198ee56343ba864fe8b2a57d3eff7")
+    );
+}
