@@ -13,7 +13,7 @@ ENVOY ?= $(shell command -v envoy 2>/dev/null || echo $(CURDIR)/$(VENV)/bin/envo
 # (no Envoy) and the load test (its own tier).
 ENVOY_TESTS := $(filter-out properties load,$(basename $(notdir $(wildcard tests/*.rs))))
 
-.PHONY: build envoy run test test-fast test-envoy test-load test-wasm lint bench clean image help
+.PHONY: build envoy run test test-fast test-envoy test-load test-wasm test-compose lint bench clean image help
 
 build: ## Build the filter: target/wasm32-wasip1/release/pd_filter.wasm
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
@@ -57,6 +57,12 @@ test-wasm: ## The library's unit tests compiled to wasm32-wasip1, run under Node
 	CARGO_TARGET_WASM32_WASIP1_RUNNER="node --no-warnings $(CURDIR)/scripts/wasi-runner.mjs" \
 		cargo test --target $(WASM_TARGET) -p pd-filter --lib
 
+# Not part of `make test` (which needs no Docker); .ci/run runs it where Docker can run.
+# As root it installs Docker, Compose and debootstrap from Debian's packages and starts dockerd
+# as needed; where no image can be pulled it builds local stand-ins for the official images.
+test-compose: ## docker-compose.yml run for real: images, the three APIs, OCI layout (Docker, root)
+	ENVOY="$(ENVOY)" scripts/test-compose.sh
+
 # Not part of `make test`: about 8 minutes of loopback load (scripts/bench.sh, docs/performance.md).
 bench: build envoy ## Benchmark on loopback, about 8 minutes (docs/performance.md)
 	ENVOY="$(ENVOY)" scripts/bench.sh
@@ -86,4 +92,4 @@ image: build ## The filter as an OCI image for Istio's WasmPlugin (IMAGE=name:ta
 	fi
 
 help: ## List the targets
-	@awk -F ':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  %-11s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+	@awk -F ':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  %-13s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
