@@ -343,6 +343,11 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
                 );
             }
         }
+        Command::SetFilterState { key, value } => {
+            if let Err(status) = set_property(key, value.as_bytes()) {
+                log::debug!("[{}] could not set {key}: status {status}", request_id());
+            }
+        }
         Command::RemoveResponseHeader(name) => {
             if let Err(status) = hostcalls::set_map_value(MapType::HttpResponseHeaders, &name, None)
             {
@@ -373,6 +378,29 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
         Command::DispatchPrefill(_) | Command::ReleaseKv(_) | Command::Record(_) => {}
     }
     Vec::new()
+}
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_set_property(
+        path_data: *const u8,
+        path_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
+}
+
+/// Sets a one-segment property. The SDK's `set_property` panics on any status but Ok (and
+/// with it the VM); here a refusal is a value.
+fn set_property(key: &str, value: &[u8]) -> Result<(), u32> {
+    // SAFETY: both pointers and lengths describe live byte slices for the whole call; the
+    // host copies them and keeps no reference.
+    let status =
+        unsafe { proxy_set_property(key.as_ptr(), key.len(), value.as_ptr(), value.len()) };
+    match status {
+        0 => Ok(()),
+        status => Err(status),
+    }
 }
 
 impl Context for PdRoot {
