@@ -381,6 +381,19 @@ fn set_property(key: &str, value: &[u8]) -> Result<(), u32> {
     }
 }
 
+/// Whether this VM is the first to load this configuration, told through the data the VMs
+/// of one plugin share. Two workers starting at the same instant may both say yes.
+fn first_to_announce(configuration: &[u8]) -> bool {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    configuration.hash(&mut hasher);
+    let key = format!("pd-filter.configured.{:016x}", hasher.finish());
+    match hostcalls::get_shared_data(&key) {
+        Ok((Some(_), _)) => false,
+        _ => hostcalls::set_shared_data(&key, Some(b"1"), None).is_ok(),
+    }
+}
+
 impl Context for PdRoot {
     fn on_http_call_response(
         &mut self,
@@ -416,12 +429,18 @@ impl RootContext for PdRoot {
         }
         match Config::from_json(&bytes) {
             Ok(config) => {
-                log::info!(
+                let summary = format!(
                     "pd-filter configured: prefill cluster {:?}, {} paths, prefill timeout {:?}",
                     config.prefill_cluster,
                     config.orchestrated_paths.len(),
                     config.prefill_timeout
                 );
+                // Every worker has its own VM: the line once for the process, not per worker.
+                if first_to_announce(&bytes) {
+                    log::info!("{summary}");
+                } else {
+                    log::debug!("{summary}");
+                }
                 self.worker
                     .callouts
                     .borrow_mut()
