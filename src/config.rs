@@ -214,7 +214,10 @@ impl Config {
         let raw: RawConfig = if bytes.iter().all(u8::is_ascii_whitespace) {
             RawConfig::default()
         } else {
-            serde_json::from_slice(bytes).map_err(|e| ConfigError(e.to_string()))?
+            let value: serde_json::Value = serde_json::from_slice(bytes)
+                .map_err(|e| ConfigError(format!("the configuration is not valid JSON ({e})")))?;
+            check_shapes(&value)?;
+            serde_json::from_value(value).map_err(|e| ConfigError(e.to_string()))?
         };
 
         if raw.prefill_cluster.trim().is_empty() {
@@ -356,6 +359,106 @@ impl Config {
     }
 }
 
+/// The kind of value a key takes, to say in words what is wrong with a value.
+#[derive(Clone, Copy)]
+enum Shape {
+    Text,
+    OptionalText,
+    Flag,
+    /// A whole number up to this.
+    Count(u64),
+    TextList,
+    TextMap,
+    /// One of these words.
+    Choice(&'static [&'static str]),
+}
+
+const SHAPES: &[(&str, Shape)] = &[
+    ("model_prefill_clusters", Shape::TextMap),
+    ("model_header", Shape::OptionalText),
+    ("prefill_host_header", Shape::Text),
+    ("prefill_host_cluster", Shape::OptionalText),
+    ("prefill_hosts_allowed", Shape::TextList),
+    ("prefill_retries", Shape::Count(u32::MAX as u64)),
+    (
+        "on_prefill_failure",
+        Shape::Choice(&["fail", "decode_only"]),
+    ),
+    ("replace_local_remote_host", Shape::Flag),
+    ("prefill_cluster", Shape::Text),
+    ("prefill_timeout_ms", Shape::Count(u64::MAX)),
+    ("paths", Shape::TextList),
+    ("kv_stripped_paths", Shape::TextList),
+    ("max_request_body_bytes", Shape::Count(u32::MAX as u64)),
+    (
+        "on_missing_kv_transfer_params",
+        Shape::Choice(&["decode_only", "recompute_on_decode", "fail"]),
+    ),
+    ("forward_headers", Shape::TextList),
+    ("prefill_time_header", Shape::OptionalText),
+    ("release_kv_on_abandon", Shape::Flag),
+    ("usage", Shape::Choice(&["merge", "decode"])),
+    ("decode_cluster", Shape::Text),
+    ("max_kv_releases_in_flight", Shape::Count(u32::MAX as u64)),
+    ("kv_release_timeout_ms", Shape::Count(u64::MAX)),
+];
+
+/// Says, naming the key, what is wrong with a value of the wrong kind, in words a user reads
+/// without knowing Rust's types.
+fn check_shapes(value: &serde_json::Value) -> Result<(), ConfigError> {
+    use serde_json::Value;
+    let Value::Object(object) = value else {
+        return Err(ConfigError(
+            "the configuration must be a JSON object, like {\"prefill_cluster\": \"prefill\"}"
+                .into(),
+        ));
+    };
+    let described = |value: &Value| match value {
+        Value::Null => "null".to_owned(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => n.to_string(),
+        Value::String(s) => format!("the text {s:?}"),
+        Value::Array(_) => "a list".to_owned(),
+        Value::Object(_) => "an object".to_owned(),
+    };
+    for (key, value) in object {
+        let Some((_, shape)) = SHAPES.iter().find(|(name, _)| name == key) else {
+            let known: Vec<&str> = SHAPES.iter().map(|(name, _)| *name).collect();
+            return Err(ConfigError(format!(
+                "unknown key {key:?}; the keys are {}",
+                known.join(", ")
+            )));
+        };
+        let wrong = |wanted: &str| {
+            Err(ConfigError(format!(
+                "{key} must be {wanted}, not {}",
+                described(value)
+            )))
+        };
+        match (shape, value) {
+            (Shape::Text, Value::String(_))
+            | (Shape::OptionalText, Value::String(_) | Value::Null)
+            | (Shape::Flag, Value::Bool(_)) => {}
+            (Shape::Text, _) => return wrong("a text"),
+            (Shape::OptionalText, _) => return wrong("a text or null"),
+            (Shape::Flag, _) => return wrong("true or false"),
+            (Shape::Count(max), Value::Number(n)) => match n.as_u64() {
+                Some(n) if n <= *max => {}
+                Some(_) => return wrong(&format!("a whole number up to {max}")),
+                None => return wrong("a whole number, 0 or more"),
+            },
+            (Shape::Count(_), _) => return wrong("a whole number"),
+            (Shape::TextList, Value::Array(items)) if items.iter().all(Value::is_string) => {}
+            (Shape::TextList, _) => return wrong("a list of texts"),
+            (Shape::TextMap, Value::Object(map)) if map.values().all(Value::is_string) => {}
+            (Shape::TextMap, _) => return wrong("an object whose values are texts"),
+            (Shape::Choice(words), Value::String(word)) if words.contains(&word.as_str()) => {}
+            (Shape::Choice(words), _) => return wrong(&format!("one of {}", words.join(", "))),
+        }
+    }
+    Ok(())
+}
+
 /// A configured path must be the form a backend serves, or it could never match.
 fn check_plain_path(key: &str, path: &str) -> Result<(), ConfigError> {
     if !path.starts_with('/') || path.contains(['?', '#']) {
@@ -487,16 +590,25 @@ mod tests {
     #[test]
     fn rejects_bad_keys_and_values_with_a_clear_message() {
         let cases: &[(&str, &str)] = &[
-            (
-                r#"{"prefill_clustr":"p"}"#,
-                "unknown field `prefill_clustr`",
-            ),
+            (r#"{"prefill_clustr":"p"}"#, "unknown key \"prefill_clustr\""),
             (
                 r#"{"prefill_cluster":""}"#,
                 "prefill_cluster must not be empty",
             ),
             (r#"{"prefill_timeout_ms":0}"#, "prefill_timeout_ms"),
-            (r#"{"prefill_timeout_ms":"1s"}"#, "invalid type"),
+            (
+                r#"{"prefill_timeout_ms":"1s"}"#,
+                "prefill_timeout_ms must be a whole number, not the text \"1s\"",
+            ),
+            (
+                r#"{"prefill_retries":99999999999}"#,
+                "prefill_retries must be a whole number up to 4294967295",
+            ),
+            (
+                r#"{"max_request_body_bytes":1e9}"#,
+                "max_request_body_bytes must be a whole number, 0 or more, not 1000000000.0",
+            ),
+            ("[]", "must be a JSON object"),
             (r#"{"paths":[]}"#, "at least one path"),
             (r#"{"paths":["/v1/embeddings"]}"#, "must end in"),
             (r#"{"paths":["v1/completions"]}"#, "must start with '/'"),
@@ -518,7 +630,7 @@ mod tests {
             ),
             (
                 r#"{"on_missing_kv_transfer_params":"maybe"}"#,
-                "unknown variant",
+                "on_missing_kv_transfer_params must be one of decode_only, recompute_on_decode, fail",
             ),
             (
                 r#"{"forward_headers":["x-request-id"]}"#,
@@ -532,14 +644,14 @@ mod tests {
                 "cluster for \"m\" is empty",
             ),
             (r#"{"model_header":""}"#, "model_header"),
-            (r#"{"prefill_retries":-1}"#, "invalid value"),
+            (r#"{"prefill_retries":-1}"#, "prefill_retries must be a whole number, 0 or more"),
             (r#"{"prefill_retries":11}"#, "at most 10"),
-            (r#"{"on_prefill_failure":"retry"}"#, "unknown variant"),
+            (r#"{"on_prefill_failure":"retry"}"#, "one of fail, decode_only"),
             (
                 r#"{"replace_local_remote_host":true,"prefill_hosts_allowed":["10.0.0.1"]}"#,
                 "needs prefill_host_cluster",
             ),
-            ("not json", "expected"),
+            ("not json", "not valid JSON"),
         ];
         for (input, expected) in cases {
             let err = Config::from_json(input.as_bytes()).unwrap_err().to_string();

@@ -10,7 +10,7 @@
 //! answers, and acts on the request (its effective context) while the client is there.
 
 use std::cell::{Cell, OnceCell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::rc::Rc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -18,8 +18,9 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
+use crate::callouts::{Caller, Callouts, Job};
 use crate::config::Config;
-use crate::protocol::kv_release::{release_succeeded, ReleaseBudget};
+use crate::protocol::kv_release::release_succeeded;
 use crate::request_id::new_request_id;
 use crate::session::{
     BodyStep, Command, Flow, HostFailure, HttpCall, Metric, ResponseHead, Session, Step,
@@ -42,10 +43,7 @@ struct PdRoot {
 struct Worker {
     stats: OnceCell<Stats>,
     queue: Cell<Option<u32>>,
-    wake_pending: Cell<bool>,
-    jobs: RefCell<VecDeque<Job>>,
-    calls: RefCell<HashMap<u32, Caller>>,
-    releases: RefCell<ReleaseBudget>,
+    callouts: RefCell<Callouts<Rc<Request>>>,
 }
 
 /// A request, shared by its own context and the root (which outlives it).
@@ -53,16 +51,6 @@ struct Request {
     context_id: u32,
     session: RefCell<Session>,
     alive: Cell<bool>,
-}
-
-enum Job {
-    Prefill(Rc<Request>, HttpCall),
-    Release(HttpCall),
-}
-
-enum Caller {
-    Prefill(Rc<Request>),
-    Release,
 }
 
 /// Which context a callback runs in: the root must make the request's stream the effective
@@ -96,10 +84,7 @@ impl Worker {
         Worker {
             stats: OnceCell::new(),
             queue: Cell::new(None),
-            wake_pending: Cell::new(false),
-            jobs: RefCell::new(VecDeque::new()),
-            calls: RefCell::new(HashMap::new()),
-            releases: RefCell::new(ReleaseBudget::new(0)),
+            callouts: RefCell::new(Callouts::default()),
         }
     }
 
@@ -110,21 +95,18 @@ impl Worker {
     }
 
     /// Hands a call to the root; sent at once where there is no queue to hand it over.
-    fn hand_over(&self, job: Job, now: SystemTime) {
+    fn hand_over(&self, job: Job<Rc<Request>>, now: SystemTime) {
         let Some(queue) = self.queue.get() else {
             self.run_job(job, In::Request, now);
             return;
         };
-        self.jobs.borrow_mut().push_back(job);
-        if !self.wake_pending.get() {
-            match hostcalls::enqueue_shared_queue(queue, Some(b"1")) {
-                Ok(()) => self.wake_pending.set(true),
-                Err(status) => {
-                    log::warn!("could not wake the root context: {status:?}");
-                    let job = self.jobs.borrow_mut().pop_back();
-                    if let Some(job) = job {
-                        self.run_job(job, In::Request, now);
-                    }
+        let wake = self.callouts.borrow_mut().queue(job);
+        if wake {
+            if let Err(status) = hostcalls::enqueue_shared_queue(queue, Some(b"1")) {
+                log::warn!("could not wake the root context: {status:?}");
+                let job = self.callouts.borrow_mut().wake_failed();
+                if let Some(job) = job {
+                    self.run_job(job, In::Request, now);
                 }
             }
         }
@@ -133,15 +115,15 @@ impl Worker {
     /// The root's turn: every call handed over since the last one.
     fn on_queue_ready(&self, queue: u32) {
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue) {}
-        self.wake_pending.set(false);
+        self.callouts.borrow_mut().woken();
         loop {
-            let job = self.jobs.borrow_mut().pop_front();
+            let job = self.callouts.borrow_mut().next_job();
             let Some(job) = job else { break };
             self.run_job(job, In::Root, now());
         }
     }
 
-    fn run_job(&self, job: Job, context: In, now: SystemTime) {
+    fn run_job(&self, job: Job<Rc<Request>>, context: In, now: SystemTime) {
         match job {
             // Nothing to do for a client gone before its prefill went out.
             Job::Prefill(request, _) if !request.alive.get() => {}
@@ -171,9 +153,9 @@ impl Worker {
     ) {
         let token = self.dispatch(call);
         if let Some(token) = token {
-            self.calls
+            self.callouts
                 .borrow_mut()
-                .insert(token, Caller::Prefill(request.clone()));
+                .prefill_sent(token, request.clone());
         }
         let commands = request
             .session
@@ -183,24 +165,20 @@ impl Worker {
     }
 
     fn dispatch_release(&self, call: &HttpCall) {
-        if !self.releases.borrow_mut().try_start() {
+        if !self.callouts.borrow_mut().start_release() {
             self.record(Metric::KvReleaseDropped);
             return;
         }
-        match self.dispatch(call) {
-            Some(token) => {
-                self.calls.borrow_mut().insert(token, Caller::Release);
-            }
-            None => {
-                self.releases.borrow_mut().finish();
-                self.record(Metric::KvReleaseFailed);
-            }
+        let token = self.dispatch(call);
+        self.callouts.borrow_mut().release_sent(token);
+        if token.is_none() {
+            self.record(Metric::KvReleaseFailed);
         }
     }
 
     /// The answer to a call, read in the context that receives it.
     fn on_answer(&self, token: u32, body_size: usize, context: In) {
-        let caller = self.calls.borrow_mut().remove(&token);
+        let caller = self.callouts.borrow_mut().answered(token);
         // A reset callout has no headers at all: read them as a list, never `:status` by name.
         let status = hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders)
             .unwrap_or_default()
@@ -221,7 +199,6 @@ impl Worker {
                 self.act_on(&request, commands, context, now);
             }
             Some(Caller::Release) => {
-                self.releases.borrow_mut().finish();
                 let released = release_succeeded(status);
                 log::debug!("KV release answered {status:?}");
                 self.record(if released {
@@ -262,6 +239,7 @@ impl Worker {
                     Vec::new()
                 }
                 command if alive => perform(request, command),
+                // A gone request's stream is not there to act on.
                 _ => Vec::new(),
             };
             for command in follow_up.into_iter().rev() {
@@ -343,6 +321,11 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
                 );
             }
         }
+        Command::SetFilterState { key, value } => {
+            if let Err(status) = set_property(key, value.as_bytes()) {
+                log::debug!("[{}] could not set {key}: status {status}", request_id());
+            }
+        }
         Command::RemoveResponseHeader(name) => {
             if let Err(status) = hostcalls::set_map_value(MapType::HttpResponseHeaders, &name, None)
             {
@@ -373,6 +356,42 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
         Command::DispatchPrefill(_) | Command::ReleaseKv(_) | Command::Record(_) => {}
     }
     Vec::new()
+}
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_set_property(
+        path_data: *const u8,
+        path_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
+}
+
+/// Sets a one-segment property. The SDK's `set_property` panics on any status but Ok (and
+/// with it the VM); here a refusal is a value.
+fn set_property(key: &str, value: &[u8]) -> Result<(), u32> {
+    // SAFETY: both pointers and lengths describe live byte slices for the whole call; the
+    // host copies them and keeps no reference.
+    let status =
+        unsafe { proxy_set_property(key.as_ptr(), key.len(), value.as_ptr(), value.len()) };
+    match status {
+        0 => Ok(()),
+        status => Err(status),
+    }
+}
+
+/// Whether this VM is the first to load this configuration, told through the data the VMs
+/// of one plugin share. Two workers starting at the same instant may both say yes.
+fn first_to_announce(configuration: &[u8]) -> bool {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    configuration.hash(&mut hasher);
+    let key = format!("pd-filter.configured.{:016x}", hasher.finish());
+    match hostcalls::get_shared_data(&key) {
+        Ok((Some(_), _)) => false,
+        _ => hostcalls::set_shared_data(&key, Some(b"1"), None).is_ok(),
+    }
 }
 
 impl Context for PdRoot {
@@ -410,14 +429,22 @@ impl RootContext for PdRoot {
         }
         match Config::from_json(&bytes) {
             Ok(config) => {
-                log::info!(
+                let summary = format!(
                     "pd-filter configured: prefill cluster {:?}, {} paths, prefill timeout {:?}",
                     config.prefill_cluster,
                     config.orchestrated_paths.len(),
                     config.prefill_timeout
                 );
-                *self.worker.releases.borrow_mut() =
-                    ReleaseBudget::new(config.max_kv_releases_in_flight);
+                // Every worker has its own VM: the line once for the process, not per worker.
+                if first_to_announce(&bytes) {
+                    log::info!("{summary}");
+                } else {
+                    log::debug!("{summary}");
+                }
+                self.worker
+                    .callouts
+                    .borrow_mut()
+                    .set_release_bound(config.max_kv_releases_in_flight);
                 self.config = Some(Rc::new(config));
                 true
             }

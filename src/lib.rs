@@ -1,7 +1,8 @@
 //! pd-filter: an Envoy proxy-wasm HTTP filter that runs vLLM prefill/decode disaggregation.
 //!
 //! Everything the filter decides is host-free and tested natively and as wasm32:
-//! [`session`] (one request's state machine), [`protocol`] (the P/D protocol by job),
+//! [`session`] (one request's state machine), [`callouts`] (a worker's calls, which outlive
+//! requests), [`protocol`] (the P/D protocol by job),
 //! [`config`], [`json`] and [`api`]. `filter` and `stats` are the thin adapter to the
 //! proxy-wasm host; they are only built for wasm32 and left out of test builds, so that the
 //! unit tests also run as wasm32 (under Node's WASI).
@@ -21,6 +22,7 @@
 )]
 
 pub mod api;
+pub mod callouts;
 pub mod config;
 pub mod json;
 pub mod protocol;

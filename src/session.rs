@@ -22,6 +22,10 @@ use crate::protocol::{
 };
 use crate::request_id::new_request_id;
 
+/// The filter state key of the prefill time in milliseconds: Envoy's access log reads it as
+/// `%FILTER_STATE(wasm.pd_prefill_ms:PLAIN)%`.
+pub const PREFILL_TIME_FILTER_STATE: &str = "pd_prefill_ms";
+
 /// Marks the filter's KV release calls to decode, for decode's logs.
 pub const KV_RELEASE_HEADER: &str = "x-pd-kv-release";
 
@@ -63,6 +67,12 @@ pub enum Command {
     SendReply(LocalReply),
     AddResponseHeader {
         name: String,
+        value: String,
+    },
+    /// Sets a value in Envoy's filter state for the request, where access logs read it
+    /// (`%FILTER_STATE(wasm.KEY:PLAIN)%`).
+    SetFilterState {
+        key: &'static str,
         value: String,
     },
     /// Removes a response header (only while the response headers are being read).
@@ -571,7 +581,7 @@ impl Session {
         };
         match read_prefill_answer(status, body) {
             PrefillAnswer::KvTransferParams(kv) => {
-                let mut commands = vec![self.prefill_time(&prefill, now)];
+                let mut commands = self.prefill_time(&prefill, now);
                 let reached = prefill.host().filter(|_| config.replace_local_remote_host);
                 let with_host = reached.and_then(|host| with_reachable_remote_host(kv, host.ip()));
                 let kv = with_host.as_deref().unwrap_or(kv);
@@ -620,7 +630,7 @@ impl Session {
                 commands
             }
             PrefillAnswer::NoKvTransferParams(reason) => {
-                let mut commands = vec![self.prefill_time(&prefill, now)];
+                let mut commands = self.prefill_time(&prefill, now);
                 commands.extend(match config.on_missing_kv_transfer_params {
                     MissingKvPolicy::DecodeOnly => {
                         self.decode_only(prefill, FailureKind::NoKvTransferParams, &reason, now)
@@ -680,7 +690,7 @@ impl Session {
         let Some(config) = self.config.clone() else {
             return Vec::new();
         };
-        let mut commands = vec![self.prefill_time(&prefill, now)];
+        let mut commands = self.prefill_time(&prefill, now);
         let decode_only = config.on_prefill_failure == PrefillFailurePolicy::DecodeOnly
             && !failure.is_client_error();
         commands.extend(if decode_only {
@@ -691,8 +701,16 @@ impl Session {
         commands
     }
 
-    fn prefill_time(&self, prefill: &Prefill, now: SystemTime) -> Command {
-        Command::Record(Metric::PrefillLatency(prefill.elapsed(now)))
+    /// How long the prefill leg took, for the stats and for Envoy's access log.
+    fn prefill_time(&self, prefill: &Prefill, now: SystemTime) -> Vec<Command> {
+        let elapsed = prefill.elapsed(now);
+        vec![
+            Command::Record(Metric::PrefillLatency(elapsed)),
+            Command::SetFilterState {
+                key: PREFILL_TIME_FILTER_STATE,
+                value: elapsed.as_millis().to_string(),
+            },
+        ]
     }
 
     /// Sends the client's body to decode without any `kv_transfer_params`: decode

@@ -2,7 +2,19 @@
 
 use mock_vllm::{MockServer, Role};
 
-const USAGE: &str = "usage: mock-vllm [--prefill ADDR] [--decode ADDR]  (at least one)";
+const USAGE: &str = "usage: mock-vllm [--prefill ADDR] [--decode ADDR]  (at least one)
+
+Mock vLLM prefill and decode servers for P/D disaggregation. GET /mock/requests lists what a
+server received, GET /mock/kv (prefill) the KV it issued, read and stranded.
+Faults, asked for anywhere in a request body's text:
+  mock:prefill_status=N, mock:decode_status=N   answer status N with a vLLM error body
+  mock:prefill_delay_ms=N, mock:decode_delay_ms=N   wait N ms before answering
+  mock:prefill_reset                             close the connection without answering
+  mock:prefill_reset_mid_answer, mock:decode_reset_mid_stream   cut the answer short
+  mock:prefill_no_kv, mock:prefill_null_kv, mock:prefill_kv_not_object   bad kv_transfer_params
+  mock:prefill_non_json                          answer 200 with a text body
+  mock:prefill_huge=N                            pad prefill's answer with N bytes
+  mock:prefill_cached_tokens=N                   report N prompt tokens from the prefix cache";
 
 fn parse_args(args: &[String]) -> Result<Vec<(Role, String)>, String> {
     let mut roles = Vec::new();

@@ -456,9 +456,13 @@ fn original_dst_cluster_yaml(name: &str, header: &str) -> String {
 
 fn routes_yaml(route: DecodeRoute) -> &'static str {
     match route {
+        // The prefill time the filter leaves in the filter state, as an access log would
+        // read it (tests/one_vllm.rs).
         DecodeRoute::Plain => {
             r#"              - match: { prefix: "/" }
                 route: { cluster: decode, timeout: 0s }
+                response_headers_to_add:
+                - header: { key: x-test-prefill-ms, value: "%FILTER_STATE(wasm.pd_prefill_ms:PLAIN)%" }
 "#
         }
         DecodeRoute::ByModelHeader => {

@@ -1,0 +1,105 @@
+"""Drives pd-filter with the OpenAI Python SDK, as a user's client would.
+
+usage: python scripts/openai_sdk_check.py BASE_URL   (e.g. http://127.0.0.1:10000/v1)
+
+Every API (completions, chat completions, responses), streamed and not, must answer with the
+mock decode's text and usage counted as one vLLM would (prefill's cached_tokens); errors must
+arrive as the SDK's typed exceptions. Prints one line per check; exits 1 on the first failure.
+"""
+
+import sys
+
+import openai
+
+PREFILL_CACHED = 2
+PROMPT = f"sdk check mock:prefill_cached_tokens={PREFILL_CACHED}"
+EXPECTED = "mock decode answer for sdk "
+
+
+def check(name, condition, detail=""):
+    if not condition:
+        print(f"FAIL {name}: {detail}")
+        sys.exit(1)
+    print(f"ok   {name}")
+
+
+def main(base_url):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+
+    completion = client.completions.create(model="m", prompt=PROMPT, max_tokens=5)
+    check("completions", completion.choices[0].text.startswith("mock decode"), completion)
+    details = completion.usage.prompt_tokens_details
+    check("completions usage", details and details.cached_tokens == PREFILL_CACHED, completion.usage)
+
+    text, usage = "", None
+    for chunk in client.completions.create(
+        model="m", prompt=PROMPT, max_tokens=5, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage:
+            usage = chunk.usage
+    check("completions streamed", text.startswith("mock decode"), text)
+    check(
+        "completions streamed usage",
+        usage and usage.prompt_tokens_details.cached_tokens == PREFILL_CACHED,
+        usage,
+    )
+
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=5)
+    check("chat", chat.choices[0].message.content.startswith("mock decode"), chat)
+    check("chat usage", chat.usage.prompt_tokens_details.cached_tokens == PREFILL_CACHED, chat.usage)
+
+    text, usage = "", None
+    for chunk in client.chat.completions.create(
+        model="m", messages=messages, max_tokens=5, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if chunk.usage:
+            usage = chunk.usage
+    check("chat streamed", text.startswith("mock decode"), text)
+    check(
+        "chat streamed usage",
+        usage and usage.prompt_tokens_details.cached_tokens == PREFILL_CACHED,
+        usage,
+    )
+
+    response = client.responses.create(model="m", input=PROMPT, max_output_tokens=5)
+    check("responses", response.output_text.startswith("mock decode"), response)
+    check(
+        "responses usage",
+        response.usage.input_tokens_details.cached_tokens == PREFILL_CACHED,
+        response.usage,
+    )
+
+    text, completed = "", None
+    for event in client.responses.create(model="m", input=PROMPT, max_output_tokens=5, stream=True):
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        if event.type == "response.completed":
+            completed = event.response
+    check("responses streamed", text.startswith("mock decode"), text)
+    check(
+        "responses streamed usage",
+        completed and completed.usage.input_tokens_details.cached_tokens == PREFILL_CACHED,
+        completed,
+    )
+
+    errors = [
+        ("prefill 400", "mock:prefill_status=400", openai.BadRequestError),
+        ("prefill 429", "mock:prefill_status=429", openai.RateLimitError),
+        ("prefill unreachable 503", "mock:prefill_status=503", openai.InternalServerError),
+        ("prefill timeout 504", "mock:prefill_status=504", openai.InternalServerError),
+    ]
+    for name, directive, expected in errors:
+        try:
+            client.completions.create(model="m", prompt=f"x {directive}", max_tokens=5)
+            check(name, False, "no error raised")
+        except expected as error:
+            check(f"{name} is {expected.__name__}", error.body and "message" in error.body, error.body)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
