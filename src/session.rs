@@ -21,6 +21,9 @@ use crate::protocol::{
 };
 use crate::request_id::new_request_id;
 
+mod outcome;
+pub use outcome::{Outcome, PrefillResult};
+
 /// Marks the filter's KV release calls to decode, for decode's logs.
 pub const KV_RELEASE_HEADER: &str = "x-pd-kv-release";
 
@@ -85,12 +88,16 @@ pub struct LocalReply {
 /// What the stats count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Metric {
+    /// A request whose prefill begins.
     Orchestrated(Api),
+    /// How an orchestrated request ended: once per request that ends with the filter.
+    Request(Api, Outcome),
     PassedThrough,
+    /// A prefill leg that failed for a reason other than the client's request.
     PrefillFailure(FailureKind),
     DecodeOnlyFallback,
     BadRequest,
-    PrefillLatency(Duration),
+    PrefillLatency(PrefillResult, Duration),
     KvReleased,
     KvReleaseFailed,
     KvReleaseDropped,
@@ -129,6 +136,8 @@ pub struct Session {
     config: Option<Rc<Config>>,
     request_id: String,
     state: State,
+    /// The API of an orchestrated request, for its outcome in the stats.
+    api: Option<Api>,
 }
 
 enum State {
@@ -236,6 +245,7 @@ impl Session {
             config,
             request_id: String::new(),
             state: State::Started,
+            api: None,
         }
     }
 
@@ -287,6 +297,7 @@ impl Session {
                 return Step::new(Flow::Continue, commands);
             }
         };
+        self.api = Some(api);
 
         self.take_request_id(headers, &mut commands);
         if let Err(error) = check_content_type(header(headers, "content-type")) {
@@ -539,7 +550,7 @@ impl Session {
         };
         match read_prefill_answer(status, body) {
             PrefillAnswer::KvTransferParams(kv) => {
-                let mut commands = vec![self.prefill_time(&prefill, now)];
+                let mut commands = vec![self.prefill_time(&prefill, now, PrefillResult::Kv)];
                 let reached = prefill.host().filter(|_| config.replace_local_remote_host);
                 let with_host = reached.and_then(|host| with_reachable_remote_host(kv, host.ip()));
                 let kv = with_host.as_deref().unwrap_or(kv);
@@ -563,6 +574,8 @@ impl Session {
                     self.request_id,
                     prefill.elapsed(now)
                 );
+                let decoded = Metric::Request(prefill.api, Outcome::Decoded);
+                commands.push(Command::Record(decoded));
                 let decode_body = prefill.decode.body_with_kv(&prefill.original, kv);
                 commands.push(Command::ReplaceRequestBody {
                     body: decode_body,
@@ -583,7 +596,7 @@ impl Session {
                 commands
             }
             PrefillAnswer::NoKvTransferParams(reason) => {
-                let mut commands = vec![self.prefill_time(&prefill, now)];
+                let mut commands = vec![self.prefill_time(&prefill, now, PrefillResult::NoKv)];
                 commands.extend(match config.on_missing_kv_transfer_params {
                     MissingKvPolicy::DecodeOnly => {
                         self.decode_only(prefill, FailureKind::NoKvTransferParams, &reason, now)
@@ -643,7 +656,7 @@ impl Session {
         let Some(config) = self.config.clone() else {
             return Vec::new();
         };
-        let mut commands = vec![self.prefill_time(&prefill, now)];
+        let mut commands = vec![self.prefill_time(&prefill, now, PrefillResult::Failed)];
         let decode_only = config.on_prefill_failure == PrefillFailurePolicy::DecodeOnly
             && !failure.is_client_error();
         commands.extend(if decode_only {
@@ -654,8 +667,8 @@ impl Session {
         commands
     }
 
-    fn prefill_time(&self, prefill: &Prefill, now: SystemTime) -> Command {
-        Command::Record(Metric::PrefillLatency(prefill.elapsed(now)))
+    fn prefill_time(&self, prefill: &Prefill, now: SystemTime, result: PrefillResult) -> Command {
+        Command::Record(Metric::PrefillLatency(result, prefill.elapsed(now)))
     }
 
     /// Sends the client's body to decode without any `kv_transfer_params`: decode
@@ -675,6 +688,7 @@ impl Session {
         let mut commands = vec![
             Command::Record(Metric::PrefillFailure(kind)),
             Command::Record(Metric::DecodeOnlyFallback),
+            Command::Record(Metric::Request(prefill.api, Outcome::DecodeOnly)),
         ];
         if let Some(body) = prefill.decode.body_without_kv(&prefill.original) {
             commands.push(Command::ReplaceRequestBody {
@@ -698,10 +712,24 @@ impl Session {
             failure.error.status,
             failure.error.message
         );
-        vec![
-            Command::Record(Metric::PrefillFailure(failure.kind)),
-            self.reply(&failure.error),
-        ]
+        let mut commands = Vec::new();
+        // A request prefill refused is the client's mistake, not a prefill failure.
+        if failure.is_client_error() {
+            commands.extend(self.outcome(Outcome::ClientError));
+        } else {
+            commands.push(Command::Record(Metric::PrefillFailure(failure.kind)));
+            commands.extend(self.outcome(Outcome::PrefillFailed));
+        }
+        commands.push(self.reply(&failure.error));
+        commands
+    }
+
+    /// The outcome of an orchestrated request, for the stats; nothing for other requests.
+    fn outcome(&self, outcome: Outcome) -> Vec<Command> {
+        self.api
+            .map(|api| Command::Record(Metric::Request(api, outcome)))
+            .into_iter()
+            .collect()
     }
 
     /// Whether [`Session::on_response_headers`] needs Envoy's `response.code_details`: only
@@ -844,7 +872,10 @@ impl Session {
             error.status,
             error.message
         );
-        vec![Command::Record(Metric::BadRequest), self.reply(error)]
+        let mut commands = vec![Command::Record(Metric::BadRequest)];
+        commands.extend(self.outcome(Outcome::ClientError));
+        commands.push(self.reply(error));
+        commands
     }
 
     fn reply(&mut self, error: &ClientError) -> Command {
