@@ -26,6 +26,9 @@ use crate::request_id::new_request_id;
 /// `%FILTER_STATE(wasm.pd_prefill_ms:PLAIN)%`.
 pub const PREFILL_TIME_FILTER_STATE: &str = "pd_prefill_ms";
 
+mod outcome;
+pub use outcome::{Outcome, PrefillResult};
+
 /// Marks the filter's KV release calls to decode, for decode's logs.
 pub const KV_RELEASE_HEADER: &str = "x-pd-kv-release";
 
@@ -103,12 +106,16 @@ pub struct LocalReply {
 /// What the stats count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Metric {
+    /// A request whose prefill begins.
     Orchestrated(Api),
+    /// How an orchestrated request ended: once per request that ends with the filter.
+    Request(Api, Outcome),
     PassedThrough,
+    /// A prefill leg that failed for a reason other than the client's request.
     PrefillFailure(FailureKind),
     DecodeOnlyFallback,
     BadRequest,
-    PrefillLatency(Duration),
+    PrefillLatency(PrefillResult, Duration),
     KvReleased,
     KvReleaseFailed,
     KvReleaseDropped,
@@ -147,6 +154,8 @@ pub struct Session {
     config: Option<Rc<Config>>,
     request_id: String,
     state: State,
+    /// The API of an orchestrated request, for its outcome in the stats.
+    api: Option<Api>,
 }
 
 enum State {
@@ -278,6 +287,7 @@ impl Session {
             config,
             request_id: String::new(),
             state: State::Started,
+            api: None,
         }
     }
 
@@ -329,6 +339,7 @@ impl Session {
                 return Step::new(Flow::Continue, commands);
             }
         };
+        self.api = Some(api);
 
         self.take_request_id(headers, &mut commands);
         if let Err(error) = check_content_type(header(headers, "content-type")) {
@@ -581,7 +592,7 @@ impl Session {
         };
         match read_prefill_answer(status, body) {
             PrefillAnswer::KvTransferParams(kv) => {
-                let mut commands = self.prefill_time(&prefill, now);
+                let mut commands = self.prefill_time(&prefill, now, PrefillResult::Kv);
                 let reached = prefill.host().filter(|_| config.replace_local_remote_host);
                 let with_host = reached.and_then(|host| with_reachable_remote_host(kv, host.ip()));
                 let kv = with_host.as_deref().unwrap_or(kv);
@@ -605,6 +616,8 @@ impl Session {
                     self.request_id,
                     prefill.elapsed(now)
                 );
+                let decoded = Metric::Request(prefill.api, Outcome::Decoded);
+                commands.push(Command::Record(decoded));
                 let decode_body = prefill.decode.body_with_kv(&prefill.original, kv);
                 commands.push(Command::ReplaceRequestBody {
                     body: decode_body,
@@ -630,7 +643,7 @@ impl Session {
                 commands
             }
             PrefillAnswer::NoKvTransferParams(reason) => {
-                let mut commands = self.prefill_time(&prefill, now);
+                let mut commands = self.prefill_time(&prefill, now, PrefillResult::NoKv);
                 commands.extend(match config.on_missing_kv_transfer_params {
                     MissingKvPolicy::DecodeOnly => {
                         self.decode_only(prefill, FailureKind::NoKvTransferParams, &reason, now)
@@ -690,7 +703,7 @@ impl Session {
         let Some(config) = self.config.clone() else {
             return Vec::new();
         };
-        let mut commands = self.prefill_time(&prefill, now);
+        let mut commands = self.prefill_time(&prefill, now, PrefillResult::Failed);
         let decode_only = config.on_prefill_failure == PrefillFailurePolicy::DecodeOnly
             && !failure.is_client_error();
         commands.extend(if decode_only {
@@ -701,11 +714,17 @@ impl Session {
         commands
     }
 
-    /// How long the prefill leg took, for the stats and for Envoy's access log.
-    fn prefill_time(&self, prefill: &Prefill, now: SystemTime) -> Vec<Command> {
+    /// How long the prefill leg took and what it came to, for the stats and for Envoy's
+    /// access log.
+    fn prefill_time(
+        &self,
+        prefill: &Prefill,
+        now: SystemTime,
+        result: PrefillResult,
+    ) -> Vec<Command> {
         let elapsed = prefill.elapsed(now);
         vec![
-            Command::Record(Metric::PrefillLatency(elapsed)),
+            Command::Record(Metric::PrefillLatency(result, elapsed)),
             Command::SetFilterState {
                 key: PREFILL_TIME_FILTER_STATE,
                 value: elapsed.as_millis().to_string(),
@@ -730,6 +749,7 @@ impl Session {
         let mut commands = vec![
             Command::Record(Metric::PrefillFailure(kind)),
             Command::Record(Metric::DecodeOnlyFallback),
+            Command::Record(Metric::Request(prefill.api, Outcome::DecodeOnly)),
         ];
         if let Some(body) = prefill.decode.body_without_kv(&prefill.original) {
             commands.push(Command::ReplaceRequestBody {
@@ -755,10 +775,24 @@ impl Session {
             failure.error.status,
             failure.error.message
         );
-        vec![
-            Command::Record(Metric::PrefillFailure(failure.kind)),
-            self.reply(&failure.error),
-        ]
+        let mut commands = Vec::new();
+        // A request prefill refused is the client's mistake, not a prefill failure.
+        if failure.is_client_error() {
+            commands.extend(self.outcome(Outcome::ClientError));
+        } else {
+            commands.push(Command::Record(Metric::PrefillFailure(failure.kind)));
+            commands.extend(self.outcome(Outcome::PrefillFailed));
+        }
+        commands.push(self.reply(&failure.error));
+        commands
+    }
+
+    /// The outcome of an orchestrated request, for the stats; nothing for other requests.
+    fn outcome(&self, outcome: Outcome) -> Vec<Command> {
+        self.api
+            .map(|api| Command::Record(Metric::Request(api, outcome)))
+            .into_iter()
+            .collect()
     }
 
     /// Whether [`Session::on_response_headers`] needs Envoy's `response.code_details`: only
@@ -967,7 +1001,10 @@ impl Session {
             error.status,
             error.message
         );
-        vec![Command::Record(Metric::BadRequest), self.reply(error)]
+        let mut commands = vec![Command::Record(Metric::BadRequest)];
+        commands.extend(self.outcome(Outcome::ClientError));
+        commands.push(self.reply(error));
+        commands
     }
 
     fn reply(&mut self, error: &ClientError) -> Command {

@@ -1,27 +1,49 @@
-//! The filter's Envoy stats. Envoy shows them under `wasmcustom.pd_filter.*` on the admin
-//! `/stats` endpoint (and as `pd_filter_*` in `/stats/prometheus`), summed over all workers.
+//! The filter's Envoy stats, summed over all workers.
+//!
+//! The proxy-wasm ABI has no labels: a stat is one name. Each name carries its labels the way
+//! Istio's own stats do, as `label=.=value;.;` parts between the `pd_filter.` prefix and the
+//! stat, e.g. `pd_filter.api=.=chat_completions;.;outcome=.=decoded;.;requests`. Envoy shows
+//! it as `wasmcustom.pd_filter.api=.=…;.;requests` on the admin `/stats`; with a
+//! `stats_config.stats_tags` rule `(api=\.=(.*?);\.;)` per label (the shipped configurations,
+//! or Istio's `extraStatTags`) `/stats/prometheus` shows
+//! `pd_filter_requests{api="chat_completions",outcome="decoded"}`.
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
 use crate::api::Api;
 use crate::protocol::FailureKind;
-use crate::session::Metric;
+use crate::session::{Metric, Outcome, PrefillResult};
 
 pub struct Stats {
+    requests: [[Option<u32>; Outcome::ALL.len()]; Api::ALL.len()],
     orchestrated: [Option<u32>; Api::ALL.len()],
     passed_through: Option<u32>,
     prefill_failures: [Option<u32>; FailureKind::ALL.len()],
     decode_only_fallbacks: Option<u32>,
     bad_requests: Option<u32>,
-    prefill_latency_ms: Option<u32>,
+    prefill_latency_ms: [Option<u32>; PrefillResult::ALL.len()],
     kv_released: Option<u32>,
     kv_release_failed: Option<u32>,
     kv_release_dropped: Option<u32>,
 }
 
-fn define(kind: MetricType, name: &str) -> Option<u32> {
-    match hostcalls::define_metric(kind, name) {
+/// The full name of stat `name` with its labels.
+fn stat_name(name: &str, labels: &[(&str, &str)]) -> String {
+    let mut full = String::from("pd_filter.");
+    for (label, value) in labels {
+        full.push_str(label);
+        full.push_str("=.=");
+        full.push_str(value);
+        full.push_str(";.;");
+    }
+    full.push_str(name);
+    full
+}
+
+fn define(kind: MetricType, name: &str, labels: &[(&str, &str)]) -> Option<u32> {
+    let name = stat_name(name, labels);
+    match hostcalls::define_metric(kind, &name) {
         Ok(id) => Some(id),
         Err(status) => {
             log::warn!("could not define the metric {name}: {status:?}");
@@ -30,8 +52,8 @@ fn define(kind: MetricType, name: &str) -> Option<u32> {
     }
 }
 
-fn counter(name: &str) -> Option<u32> {
-    define(MetricType::Counter, &format!("pd_filter.{name}"))
+fn counter(name: &str, labels: &[(&str, &str)]) -> Option<u32> {
+    define(MetricType::Counter, name, labels)
 }
 
 fn increment(metric: Option<u32>) {
@@ -41,41 +63,62 @@ fn increment(metric: Option<u32>) {
     }
 }
 
+/// The stat of `key` in a table defined in the order of `all`.
+fn lookup<K: PartialEq, const N: usize>(
+    all: &[K; N],
+    table: &[Option<u32>; N],
+    key: &K,
+) -> Option<u32> {
+    let index = all.iter().position(|k| k == key)?;
+    table.get(index).copied().flatten()
+}
+
 impl Stats {
     pub fn define() -> Stats {
         Stats {
+            requests: Api::ALL.map(|api| {
+                Outcome::ALL.map(|outcome| {
+                    let labels = [("api", api.name()), ("outcome", outcome.name())];
+                    counter("requests", &labels)
+                })
+            }),
             orchestrated: Api::ALL
-                .map(|api| counter(&format!("requests_orchestrated.{}", api.name()))),
-            passed_through: counter("requests_passed_through"),
+                .map(|api| counter("requests_orchestrated", &[("api", api.name())])),
+            passed_through: counter("requests_passed_through", &[]),
             prefill_failures: FailureKind::ALL
-                .map(|kind| counter(&format!("prefill_failures.{}", kind.name()))),
-            decode_only_fallbacks: counter("decode_only_fallbacks"),
-            bad_requests: counter("bad_requests"),
-            prefill_latency_ms: define(MetricType::Histogram, "pd_filter.prefill_latency_ms"),
-            kv_released: counter("kv_releases.released"),
-            kv_release_failed: counter("kv_releases.failed"),
-            kv_release_dropped: counter("kv_releases.dropped"),
+                .map(|kind| counter("prefill_failures", &[("kind", kind.name())])),
+            decode_only_fallbacks: counter("decode_only_fallbacks", &[]),
+            bad_requests: counter("bad_requests", &[]),
+            prefill_latency_ms: PrefillResult::ALL.map(|result| {
+                let labels = [("outcome", result.name())];
+                define(MetricType::Histogram, "prefill_latency_ms", &labels)
+            }),
+            kv_released: counter("kv_releases", &[("outcome", "released")]),
+            kv_release_failed: counter("kv_releases", &[("outcome", "failed")]),
+            kv_release_dropped: counter("kv_releases", &[("outcome", "dropped")]),
         }
     }
 
     pub fn record(&self, metric: Metric) {
         match metric {
-            Metric::Orchestrated(api) => {
+            Metric::Request(api, outcome) => {
                 let index = Api::ALL.iter().position(|a| *a == api);
-                increment(index.and_then(|i| self.orchestrated.get(i).copied().flatten()));
+                let row = index.and_then(|i| self.requests.get(i));
+                increment(row.and_then(|row| lookup(&Outcome::ALL, row, &outcome)));
             }
+            Metric::Orchestrated(api) => increment(lookup(&Api::ALL, &self.orchestrated, &api)),
             Metric::PassedThrough => increment(self.passed_through),
             Metric::PrefillFailure(kind) => {
-                let index = FailureKind::ALL.iter().position(|k| *k == kind);
-                increment(index.and_then(|i| self.prefill_failures.get(i).copied().flatten()));
+                increment(lookup(&FailureKind::ALL, &self.prefill_failures, &kind));
             }
             Metric::DecodeOnlyFallback => increment(self.decode_only_fallbacks),
             Metric::BadRequest => increment(self.bad_requests),
             Metric::KvReleased => increment(self.kv_released),
             Metric::KvReleaseFailed => increment(self.kv_release_failed),
             Metric::KvReleaseDropped => increment(self.kv_release_dropped),
-            Metric::PrefillLatency(elapsed) => {
-                if let Some(id) = self.prefill_latency_ms {
+            Metric::PrefillLatency(result, elapsed) => {
+                let histogram = lookup(&PrefillResult::ALL, &self.prefill_latency_ms, &result);
+                if let Some(id) = histogram {
                     let millis = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
                     let _ = hostcalls::record_metric(id, millis);
                 }

@@ -11,6 +11,8 @@ use common::{assert_envoy_log_clean, assert_filter_healthy, harness, unique_id, 
 use serde_json::{json, Value};
 
 const COMPLETIONS: &str = "/v1/completions";
+const KV_RELEASED: &str = r#"pd_filter_kv_releases{outcome="released"}"#;
+const KV_DROPPED: &str = r#"pd_filter_kv_releases{outcome="dropped"}"#;
 
 /// The ledger is the mock's, shared by every test here: one test at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -55,7 +57,7 @@ async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
     wait_until_nothing_is_stranded(Duration::from_secs(5))
         .await
         .expect("a clean ledger to start from");
-    let released_before = h.counter("kv_releases.released");
+    let released_before = h.counter(KV_RELEASED);
     let ids: Vec<String> = (0..100).map(|_| unique_id("leaves")).collect();
     let mut clients = Vec::new();
     for id in &ids {
@@ -91,8 +93,8 @@ async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
         );
         assert_eq!(releases[0]["kv_transfer_params"]["do_remote_prefill"], true);
     }
-    assert_eq!(h.counter("kv_releases.released"), released_before + 100);
-    assert_eq!(h.counter("kv_releases.dropped"), 0);
+    assert_eq!(h.counter(KV_RELEASED), released_before + 100);
+    assert_eq!(h.counter(KV_DROPPED), 0);
     assert_filter_healthy();
     assert_envoy_log_clean();
 }
@@ -120,7 +122,7 @@ async fn decode_that_was_never_reached_strands_no_kv() {
 async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
     let _serial = SERIAL.lock().await;
     let h = harness();
-    let released_before = h.counter("kv_releases.released");
+    let released_before = h.counter(KV_RELEASED);
     let served = unique_id("served");
     let reply = Request::post("default", COMPLETIONS)
         .id(&served)
@@ -150,5 +152,5 @@ async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
         wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
         Ok(())
     );
-    assert_eq!(h.counter("kv_releases.released"), released_before);
+    assert_eq!(h.counter(KV_RELEASED), released_before);
 }

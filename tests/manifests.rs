@@ -1357,6 +1357,57 @@ fn weakened_envoy_configs_are_caught() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// (e2) The labels of the filter's stats (README, "Observability").
+
+/// The rule Istio's `extraStatTags` writes for a label: the filter's stat names carry their
+/// labels in this form, so one Envoy rule and one Istio setting do the same.
+fn istio_stat_tag_regex(label: &str) -> String {
+    format!("({label}=\\.=(.*?);\\.;)")
+}
+
+/// Every shipped Envoy configuration turns the filter's `label=.=value;.;` name parts into
+/// Prometheus labels, with the same rules as envoy/envoy.yaml (which the integration tests'
+/// Envoy also uses), each the rule Istio writes for that label.
+#[test]
+fn every_envoy_config_labels_the_filters_stats() {
+    let reference = yaml_file("envoy/envoy.yaml").remove(0)["stats_config"].clone();
+    let tags = reference["stats_tags"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let labels: Vec<&str> = tags
+        .iter()
+        .filter_map(|tag| tag["tag_name"].as_str())
+        .collect();
+    assert_eq!(
+        labels,
+        ["api", "outcome", "kind"],
+        "envoy/envoy.yaml stats_tags"
+    );
+    for tag in &tags {
+        let label = tag["tag_name"].as_str().unwrap_or_default();
+        assert_eq!(tag["regex"], istio_stat_tag_regex(label), "{tag}");
+        assert_eq!(tag.as_object().map(|o| o.len()), Some(2), "{tag}");
+    }
+    let mut failures = Vec::new();
+    for path in envoy_configs() {
+        let relative = path
+            .strip_prefix(repo_root())
+            .unwrap_or(&path)
+            .display()
+            .to_string();
+        let config = yaml_file(&relative).remove(0);
+        if config["stats_config"] != reference {
+            failures.push(format!("{relative}: {}", config["stats_config"]));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "stats_config unlike envoy/envoy.yaml's: {failures:#?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
 // (f) The Istio settings the filter depends on.
 
 /// A rule of an AuthorizationPolicy that matches any request carrying `header`, whatever else
@@ -1701,6 +1752,17 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
                 ));
             }
         }
+    }
+
+    // The stats as shipped: labelled on /stats/prometheus.
+    let prometheus =
+        common::http_get(envoy.admin_port, "/stats/prometheus").expect("/stats/prometheus");
+    let served = "pd_filter_requests{api=\"completions\",outcome=\"decoded\"} ";
+    let count = prometheus
+        .lines()
+        .find_map(|line| line.strip_prefix(served)?.trim().parse::<u64>().ok());
+    if count.is_none_or(|count| count == 0) {
+        failures.push(format!("no {served}on /stats/prometheus:\n{prometheus}"));
     }
     assert!(failures.is_empty(), "{failures:#?}\n{}", envoy.log());
 }

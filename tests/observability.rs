@@ -1,29 +1,69 @@
-//! The filter's stats on Envoy's admin endpoint, its log lines, and the prefill-time header.
-//! One test, run in order, so the counters move only by what it does.
+//! The filter's stats on Envoy's `/stats/prometheus` (with the labels the shipped
+//! configurations make), its log lines and the prefill-time header; the README's table of
+//! stats and the Grafana dashboard against what a running Envoy exposes.
 
 mod common;
 
-use common::{assert_recomputed, assert_refused, assert_served, harness, unique_id, Request};
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use common::{
+    assert_recomputed, assert_refused, assert_served, harness, repo_root, unique_id, Prometheus,
+    Request,
+};
 
 const COMPLETIONS: &str = "/v1/completions";
 
+/// The counters move only by what one test does: one test at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// `pd_filter_requests{api="…",outcome="…"}`.
+fn requests(api: &str, outcome: &str) -> String {
+    format!(r#"pd_filter_requests{{api="{api}",outcome="{outcome}"}}"#)
+}
+
+/// The number of prefill times recorded with this outcome. Envoy merges histograms at each
+/// stats flush (every second in the test Envoy), so this waits for `at_least` a little while.
+fn prefill_times(outcome: &str, at_least: u64) -> u64 {
+    let series = format!(r#"pd_filter_prefill_latency_ms_count{{outcome="{outcome}"}}"#);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let count = harness().counter(&series);
+        if count >= at_least || Instant::now() > deadline {
+            return count;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 #[tokio::test]
 async fn stats_logs_and_prefill_time_header() {
+    let _serial = SERIAL.lock().await;
     let h = harness();
-    let counters = [
-        "requests_orchestrated.completions",
-        "requests_orchestrated.chat_completions",
-        "requests_orchestrated.responses",
-        "requests_passed_through",
-        "prefill_failures.status",
-        "prefill_failures.timeout",
-        "prefill_failures.reset",
-        "prefill_failures.unreachable",
-        "prefill_failures.no_kv_transfer_params",
-        "decode_only_fallbacks",
-        "bad_requests",
-    ];
-    let before: Vec<u64> = counters.iter().map(|name| h.counter(name)).collect();
+    let counters: Vec<String> = [
+        requests("completions", "decoded"),
+        requests("chat_completions", "decoded"),
+        requests("responses", "decoded"),
+        requests("completions", "decode_only"),
+        requests("completions", "client_error"),
+        requests("completions", "prefill_failed"),
+        r#"pd_filter_requests_orchestrated{api="completions"}"#.to_owned(),
+        r#"pd_filter_requests_orchestrated{api="chat_completions"}"#.to_owned(),
+        r#"pd_filter_requests_orchestrated{api="responses"}"#.to_owned(),
+        "pd_filter_requests_passed_through".to_owned(),
+        r#"pd_filter_prefill_failures{kind="status"}"#.to_owned(),
+        r#"pd_filter_prefill_failures{kind="timeout"}"#.to_owned(),
+        r#"pd_filter_prefill_failures{kind="reset"}"#.to_owned(),
+        r#"pd_filter_prefill_failures{kind="unreachable"}"#.to_owned(),
+        r#"pd_filter_prefill_failures{kind="no_kv_transfer_params"}"#.to_owned(),
+        "pd_filter_decode_only_fallbacks".to_owned(),
+        "pd_filter_bad_requests".to_owned(),
+    ]
+    .into();
+    let before: Vec<u64> = counters.iter().map(|series| h.counter(series)).collect();
+    // What an earlier test recorded reaches the histograms at the next flush (every second).
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let times_before = ["kv", "no_kv", "failed"].map(|outcome| prefill_times(outcome, 0));
 
     let happy_id = unique_id("stats-happy");
     let happy = r#"{"prompt":"a","max_tokens":1}"#;
@@ -45,7 +85,7 @@ async fn stats_logs_and_prefill_time_header() {
 
     Request::get("default", "/v1/models").send().await;
 
-    // One request per kind of prefill failure, then a bad request.
+    // One request per kind of prefill failure, then requests refused for what they are.
     let mut failures = Vec::new();
     for (kind, listener, body) in [
         (
@@ -80,6 +120,15 @@ async fn stats_logs_and_prefill_time_header() {
         }
         failures.push((id, kind));
     }
+    // Prefill refuses the request: the client's mistake, not a prefill failure.
+    let id = unique_id("stats-prefill-400");
+    let refused = r#"{"prompt":"mock:prefill_status=400"}"#;
+    let reply = Request::post("default", COMPLETIONS)
+        .id(&id)
+        .body(refused)
+        .send()
+        .await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
     let bad_id = unique_id("stats-bad");
     assert_refused(
         "default",
@@ -94,29 +143,55 @@ async fn stats_logs_and_prefill_time_header() {
     let deltas: Vec<(&str, u64)> = counters
         .iter()
         .zip(&before)
-        .map(|(name, before)| (*name, h.counter(name) - before))
+        .map(|(series, before)| (series.as_str(), h.counter(series) - before))
         .collect();
-    assert_eq!(
-        deltas,
-        vec![
-            ("requests_orchestrated.completions", 6),
-            ("requests_orchestrated.chat_completions", 1),
-            ("requests_orchestrated.responses", 1),
-            ("requests_passed_through", 1),
-            ("prefill_failures.status", 1),
-            ("prefill_failures.timeout", 1),
-            ("prefill_failures.reset", 1),
-            ("prefill_failures.unreachable", 1),
-            ("prefill_failures.no_kv_transfer_params", 1),
-            ("decode_only_fallbacks", 1),
-            ("bad_requests", 1),
-        ]
-    );
-    let stats = h.stats();
-    let histogram = stats
-        .get("pd_filter.prefill_latency_ms")
-        .expect("latency histogram");
-    assert!(histogram.contains("P50"), "{histogram}");
+    let expected: Vec<(String, u64)> = vec![
+        (requests("completions", "decoded"), 1),
+        (requests("chat_completions", "decoded"), 1),
+        (requests("responses", "decoded"), 1),
+        (requests("completions", "decode_only"), 1),
+        // Prefill's 400 and the filter's own.
+        (requests("completions", "client_error"), 2),
+        (requests("completions", "prefill_failed"), 4),
+        (
+            r#"pd_filter_requests_orchestrated{api="completions"}"#.into(),
+            7,
+        ),
+        (
+            r#"pd_filter_requests_orchestrated{api="chat_completions"}"#.into(),
+            1,
+        ),
+        (
+            r#"pd_filter_requests_orchestrated{api="responses"}"#.into(),
+            1,
+        ),
+        ("pd_filter_requests_passed_through".into(), 1),
+        (r#"pd_filter_prefill_failures{kind="status"}"#.into(), 1),
+        (r#"pd_filter_prefill_failures{kind="timeout"}"#.into(), 1),
+        (r#"pd_filter_prefill_failures{kind="reset"}"#.into(), 1),
+        (
+            r#"pd_filter_prefill_failures{kind="unreachable"}"#.into(),
+            1,
+        ),
+        (
+            r#"pd_filter_prefill_failures{kind="no_kv_transfer_params"}"#.into(),
+            1,
+        ),
+        ("pd_filter_decode_only_fallbacks".into(), 1),
+        ("pd_filter_bad_requests".into(), 1),
+    ];
+    let expected: Vec<(&str, u64)> = expected.iter().map(|(s, n)| (s.as_str(), *n)).collect();
+    assert_eq!(deltas, expected);
+
+    // Prefill times by what prefill came to: three with KV, one without, five failed
+    // (the four failures and the 400).
+    let times: Vec<(&str, u64)> = ["kv", "no_kv", "failed"]
+        .iter()
+        .zip([3, 1, 5])
+        .zip(times_before)
+        .map(|((outcome, want), before)| (*outcome, prefill_times(outcome, before + want) - before))
+        .collect();
+    assert_eq!(times, [("kv", 3), ("no_kv", 1), ("failed", 5)]);
 
     // One warning line per failure, naming the request and the kind; nothing about the
     // request that went well.
@@ -134,4 +209,366 @@ async fn stats_logs_and_prefill_time_header() {
         );
     }
     assert!(!log.contains(&happy_id), "happy path logged at info level");
+}
+
+/// One row of the README's table of stats.
+#[derive(Debug)]
+struct DocumentedStat {
+    name: String,
+    kind: String,
+    /// Each label with the values the README lists for it.
+    labels: BTreeMap<String, BTreeSet<String>>,
+}
+
+/// The `code spans` of a piece of Markdown, in order.
+fn code_spans(text: &str) -> Vec<String> {
+    text.split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The table of stats under the README's "## Observability": the series as on
+/// `/stats/prometheus`, its labels as "`label`: `value`, `value`; `label`: …", its type.
+fn readme_stats_table() -> Vec<DocumentedStat> {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+    let section = readme
+        .split("\n## Observability")
+        .nth(1)
+        .expect("README has an Observability section");
+    let section = section.split("\n## ").next().unwrap_or(section);
+    let rows: Vec<&str> = section
+        .lines()
+        .skip_while(|line| !line.starts_with('|'))
+        .take_while(|line| line.starts_with('|'))
+        .collect();
+    assert!(rows.len() > 2, "no stats table under Observability");
+    let header: Vec<&str> = rows[0].split('|').map(str::trim).collect();
+    assert_eq!(
+        header.get(1..4),
+        Some(&["series on `/stats/prometheus`", "labels", "type"][..]),
+        "the stats table's columns changed: {}",
+        rows[0]
+    );
+    rows[2..]
+        .iter()
+        .map(|row| {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            let names = code_spans(cells[1]);
+            assert_eq!(names.len(), 1, "one series per row: {row}");
+            let mut labels = BTreeMap::new();
+            for part in cells[2].split(';').filter(|part| !part.trim().is_empty()) {
+                let (label, values) = part.split_once(':').expect("`label`: `value`, …");
+                let label = code_spans(label);
+                assert_eq!(label.len(), 1, "{row}");
+                let values: BTreeSet<String> = code_spans(values).into_iter().collect();
+                assert!(!values.is_empty(), "{row}: no values for {label:?}");
+                labels.insert(label[0].clone(), values);
+            }
+            DocumentedStat {
+                name: names[0].clone(),
+                kind: cells[3].to_owned(),
+                labels,
+            }
+        })
+        .collect()
+}
+
+/// Every `pd_filter_*` family a running Envoy exposes, with its type and each label's values
+/// (for a histogram, of its series but `le`).
+fn exposed_stats(prometheus: &Prometheus) -> BTreeMap<String, (String, Vec<Vec<String>>)> {
+    let mut exposed = BTreeMap::new();
+    for (family, kind) in &prometheus.types {
+        if !family.starts_with("pd_filter_") {
+            continue;
+        }
+        let label_sets: BTreeSet<Vec<String>> = prometheus
+            .family(family)
+            .iter()
+            .map(|sample| {
+                let mut keys: Vec<String> = sample
+                    .labels
+                    .iter()
+                    .filter(|(key, _)| key != "le")
+                    .map(|(key, _)| key.clone())
+                    .collect();
+                keys.sort();
+                keys
+            })
+            .collect();
+        exposed.insert(
+            family.clone(),
+            (kind.clone(), label_sets.into_iter().collect()),
+        );
+    }
+    exposed
+}
+
+/// The README says what Envoy shows: every stat in its table is a family of that name and
+/// type on `/stats/prometheus` with exactly those labels and values, and Envoy shows no other.
+/// The filter defines every series when it starts, so all of them are there, at 0 or more.
+#[test]
+fn the_readme_lists_the_stats_envoy_exposes() {
+    let documented = readme_stats_table();
+    let prometheus = harness().prometheus();
+    let exposed = exposed_stats(&prometheus);
+
+    let documented_names: BTreeSet<&str> = documented.iter().map(|s| s.name.as_str()).collect();
+    let exposed_names: BTreeSet<&str> = exposed.keys().map(String::as_str).collect();
+    assert_eq!(
+        documented_names, exposed_names,
+        "README's stats (left) and Envoy's pd_filter_* families (right)"
+    );
+    for stat in &documented {
+        let (kind, label_sets) = &exposed[&stat.name];
+        assert_eq!(&stat.kind, kind, "{}: type", stat.name);
+        let keys: Vec<String> = stat.labels.keys().cloned().collect();
+        assert_eq!(label_sets, &vec![keys], "{}: label keys", stat.name);
+        for (label, values) in &stat.labels {
+            let seen: BTreeSet<String> = prometheus
+                .family(&stat.name)
+                .iter()
+                .filter_map(|sample| {
+                    let (_, value) = sample.labels.iter().find(|(key, _)| key == label)?;
+                    Some(value.clone())
+                })
+                .collect();
+            assert_eq!(&seen, values, "{}: values of {label}", stat.name);
+        }
+    }
+}
+
+/// A selector in a PromQL expression: a series name and the labels it matches on.
+#[derive(Debug)]
+struct Selector {
+    name: String,
+    labels: Vec<String>,
+}
+
+/// What a PromQL expression reads: its selectors, and the labels it groups or joins by.
+/// Enough PromQL for a dashboard: functions, aggregations with `by`/`without`, label
+/// matchers, ranges, numbers, binary operators.
+fn promql_reads(expr: &str) -> (Vec<Selector>, Vec<String>) {
+    const KEYWORDS: [&str; 10] = [
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "and",
+        "or",
+        "unless",
+    ];
+    let chars: Vec<char> = expr.chars().collect();
+    let mut selectors: Vec<Selector> = Vec::new();
+    let mut grouping = Vec::new();
+    let mut i = 0;
+    let word_at = |mut j: usize| {
+        let start = j;
+        while j < chars.len()
+            && (chars[j].is_ascii_alphanumeric() || chars[j] == '_' || chars[j] == ':')
+        {
+            j += 1;
+        }
+        (chars[start..j].iter().collect::<String>(), j)
+    };
+    let skip_space = |mut j: usize| {
+        while j < chars.len() && chars[j].is_whitespace() {
+            j += 1;
+        }
+        j
+    };
+    // Label names of a `{…}` matcher list or a `(…)` label list starting at `open`.
+    let label_list = |open: usize, close: char| {
+        let mut labels = Vec::new();
+        let mut j = open + 1;
+        loop {
+            j = skip_space(j);
+            match chars.get(j) {
+                None => panic!("unclosed {close} in {expr}"),
+                Some(c) if *c == close => return (labels, j + 1),
+                Some(',') => j += 1,
+                Some('"') => {
+                    j += 1;
+                    while chars.get(j).is_some_and(|c| *c != '"') {
+                        j += if chars[j] == '\\' { 2 } else { 1 };
+                    }
+                    j += 1;
+                }
+                Some(c) if c.is_ascii_alphabetic() || *c == '_' => {
+                    let (label, next) = word_at(j);
+                    labels.push(label);
+                    j = skip_space(next);
+                    // Skip the operator; the value is a string handled above.
+                    while chars.get(j).is_some_and(|c| matches!(c, '=' | '!' | '~')) {
+                        j += 1;
+                    }
+                }
+                Some(other) => panic!("unexpected {other:?} in a label list of {expr}"),
+            }
+        }
+    };
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '[' {
+            // A range or subquery: `[5m]`, `[$__rate_interval]`.
+            while i < chars.len() && chars[i] != ']' {
+                i += 1;
+            }
+            i += 1;
+        } else if c == '{' {
+            let (labels, next) = label_list(i, '}');
+            let selector = selectors.last_mut().expect("a matcher list follows a name");
+            selector.labels.extend(labels);
+            i = next;
+        } else if c.is_ascii_digit() || c == '.' {
+            while i < chars.len() && (chars[i].is_ascii_alphanumeric() || chars[i] == '.') {
+                i += 1;
+            }
+        } else if c.is_ascii_alphabetic() || c == '_' || c == ':' {
+            let (word, next) = word_at(i);
+            let after = skip_space(next);
+            if KEYWORDS.contains(&word.as_str()) {
+                if chars.get(after) == Some(&'(') {
+                    let (labels, next) = label_list(after, ')');
+                    grouping.extend(labels);
+                    i = next;
+                } else {
+                    i = next;
+                }
+            } else if chars.get(after) == Some(&'(')
+                || ["by", "without"].contains(&word_at(after).0.as_str())
+            {
+                // A function, or an aggregation (`sum (…)`, `sum by (…) (…)`).
+                i = next;
+            } else {
+                selectors.push(Selector {
+                    name: word,
+                    labels: Vec::new(),
+                });
+                i = next;
+            }
+        } else {
+            i += 1;
+        }
+    }
+    (selectors, grouping)
+}
+
+/// Every `expr` in a Grafana dashboard, anywhere in it.
+fn dashboard_exprs(value: &serde_json::Value, found: &mut Vec<String>) {
+    match value {
+        serde_json::Value::Object(map) => {
+            for (key, value) in map {
+                match (key.as_str(), value) {
+                    ("expr", serde_json::Value::String(expr)) => found.push(expr.clone()),
+                    _ => dashboard_exprs(value, found),
+                }
+            }
+        }
+        serde_json::Value::Array(items) => items.iter().for_each(|v| dashboard_exprs(v, found)),
+        _ => {}
+    }
+}
+
+/// The dashboard's queries read only series a running Envoy exposes (after one served
+/// request, so that Envoy has written its per-status counters), with labels those series
+/// have.
+#[tokio::test]
+async fn the_grafana_dashboard_reads_only_exposed_series() {
+    let _serial = SERIAL.lock().await;
+    let path = repo_root().join("deploy/grafana/pd-filter.json");
+    let text = std::fs::read_to_string(&path).expect("deploy/grafana/pd-filter.json");
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("dashboard JSON");
+    let mut exprs = Vec::new();
+    dashboard_exprs(&dashboard, &mut exprs);
+    assert!(exprs.len() >= 10, "only {} queries", exprs.len());
+
+    let id = unique_id("dashboard");
+    assert_served("default", COMPLETIONS, &id, r#"{"prompt":"a"}"#).await;
+    let prometheus = harness().prometheus();
+    // Each series name with every label any of its samples has.
+    let mut series: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for sample in &prometheus.samples {
+        let labels = series.entry(sample.name.as_str()).or_default();
+        labels.extend(sample.labels.iter().map(|(key, _)| key.as_str()));
+    }
+
+    let mut problems = Vec::new();
+    let mut read = BTreeSet::new();
+    for expr in &exprs {
+        let (selectors, grouping) = promql_reads(expr);
+        if selectors.is_empty() {
+            problems.push(format!("{expr}: reads no series"));
+        }
+        let mut available: BTreeSet<&str> = BTreeSet::new();
+        for selector in &selectors {
+            read.insert(selector.name.clone());
+            let Some(labels) = series.get(selector.name.as_str()) else {
+                problems.push(format!("{expr}: Envoy exposes no {}", selector.name));
+                continue;
+            };
+            available.extend(labels);
+            for label in &selector.labels {
+                if !labels.contains(label.as_str()) {
+                    problems.push(format!("{expr}: {} has no label {label}", selector.name));
+                }
+            }
+        }
+        for label in &grouping {
+            if !available.contains(label.as_str()) {
+                problems.push(format!("{expr}: no series it reads has the label {label}"));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+    // It shows every family of the filter's.
+    let families: BTreeSet<String> = prometheus
+        .types
+        .iter()
+        .map(|(family, _)| family.clone())
+        .filter(|family| family.starts_with("pd_filter_"))
+        .collect();
+    let unread: Vec<&String> = families
+        .iter()
+        .filter(|family| {
+            !["", "_bucket", "_sum", "_count"]
+                .iter()
+                .any(|suffix| read.contains(&format!("{family}{suffix}")))
+        })
+        .collect();
+    assert!(
+        unread.is_empty(),
+        "the dashboard shows nothing of {unread:?}"
+    );
+}
+
+#[test]
+fn promql_reads_names_labels_and_groupings() {
+    let (selectors, grouping) = promql_reads(
+        r#"histogram_quantile(0.99, sum by (le, envoy_cluster_name) (rate(envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name=~"prefill.*"}[$__rate_interval]))) / on (x) sum(rate(pd_filter_requests{outcome!="decoded", api="a,b"}[5m]))"#,
+    );
+    let names: Vec<(&str, Vec<&str>)> = selectors
+        .iter()
+        .map(|s| {
+            (
+                s.name.as_str(),
+                s.labels.iter().map(String::as_str).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        names,
+        [
+            (
+                "envoy_cluster_upstream_rq_time_bucket",
+                vec!["envoy_cluster_name"]
+            ),
+            ("pd_filter_requests", vec!["outcome", "api"]),
+        ]
+    );
+    assert_eq!(grouping, ["le", "envoy_cluster_name", "x"]);
 }

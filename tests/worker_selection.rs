@@ -165,11 +165,11 @@ async fn an_endpoint_pickers_decode_host_gets_the_request() {
 #[tokio::test]
 async fn after_the_retries_decode_only_still_serves_the_client() {
     let h = harness();
-    let before = h.counter("decode_only_fallbacks");
+    let before = h.counter("pd_filter_decode_only_fallbacks");
     let id = unique_id("decode-only");
     let original = json!({"prompt": "serve me anyway", "max_tokens": 3}).to_string();
     assert_recomputed("decode_only", COMPLETIONS, &id, &original).await;
-    assert!(h.counter("decode_only_fallbacks") > before);
+    assert!(h.counter("pd_filter_decode_only_fallbacks") > before);
     let log = h.envoy_log_text();
     let retries = log
         .lines()

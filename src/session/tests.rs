@@ -89,7 +89,7 @@ fn metrics(commands: &[Command]) -> Vec<Metric> {
     commands
         .iter()
         .filter_map(|c| match c {
-            Command::Record(Metric::PrefillLatency(_)) => None,
+            Command::Record(Metric::PrefillLatency(..)) => None,
             Command::Record(metric) => Some(*metric),
             _ => None,
         })
@@ -148,8 +148,13 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
     assert_eq!(decode["stream"], true);
     assert_eq!(commands.last(), Some(&Command::ResumeRequest));
     assert!(commands.contains(&Command::Record(Metric::PrefillLatency(
+        PrefillResult::Kv,
         Duration::from_millis(40)
     ))));
+    assert_eq!(
+        metrics(&commands),
+        vec![Metric::Request(Api::ChatCompletions, Outcome::Decoded)]
+    );
 
     assert_eq!(
         session.on_response_headers(&upstream(200)),
@@ -441,7 +446,10 @@ fn retries_go_to_the_next_scheduled_host_within_the_time_budget() {
     assert_eq!(reply(&commands).0, 503);
     assert_eq!(
         metrics(&commands),
-        vec![Metric::PrefillFailure(FailureKind::Unreachable)]
+        vec![
+            Metric::PrefillFailure(FailureKind::Unreachable),
+            Metric::Request(Api::Completions, Outcome::PrefillFailed),
+        ]
     );
 }
 
@@ -501,7 +509,8 @@ fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
         metrics(&commands),
         vec![
             Metric::PrefillFailure(FailureKind::NoKvTransferParams),
-            Metric::DecodeOnlyFallback
+            Metric::DecodeOnlyFallback,
+            Metric::Request(Api::Completions, Outcome::DecodeOnly),
         ]
     );
 
@@ -793,4 +802,194 @@ fn every_answer_of_an_orchestrated_request_carries_its_request_id() {
             name: "x-request-id".into(),
             value: "req-1".into()
         }));
+}
+
+/// Every metric a list of commands records, prefill latency by what prefill came to.
+fn recorded(commands: &[Command]) -> Vec<Metric> {
+    commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Record(Metric::PrefillLatency(result, _)) => {
+                Some(Metric::PrefillLatency(*result, Duration::ZERO))
+            }
+            Command::Record(metric) => Some(*metric),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A completions request whose prefill answers `status` and `body`: everything it recorded
+/// after its prefill began.
+fn outcome_of(config: &str, status: Option<u16>, body: &[u8]) -> Vec<Metric> {
+    let mut s = prefilling(config);
+    recorded(&s.on_prefill_answer(1, status, body, at(5)))
+}
+
+#[test]
+fn each_request_has_one_outcome_and_client_errors_are_no_prefill_failures() {
+    use FailureKind::*;
+    use Outcome::*;
+    let latency = |result| Metric::PrefillLatency(result, Duration::ZERO);
+    let request = |outcome| Metric::Request(Api::Completions, outcome);
+    let refused = br#"{"error":{"message":"bad","type":"BadRequestError"}}"#;
+    let ok = prefill_ok();
+    // Configuration, prefill's status and body, and what the request records.
+    type Case<'a> = (&'a str, Option<u16>, &'a [u8], Vec<Metric>);
+    let cases: Vec<Case> = vec![
+        (
+            "",
+            Some(200),
+            ok.as_bytes(),
+            vec![latency(PrefillResult::Kv), request(Decoded)],
+        ),
+        (
+            "",
+            Some(200),
+            b"{}",
+            vec![
+                latency(PrefillResult::NoKv),
+                Metric::PrefillFailure(NoKvTransferParams),
+                Metric::DecodeOnlyFallback,
+                request(DecodeOnly),
+            ],
+        ),
+        (
+            r#"{"on_missing_kv_transfer_params":"fail"}"#,
+            Some(200),
+            b"{}",
+            vec![
+                latency(PrefillResult::NoKv),
+                Metric::PrefillFailure(NoKvTransferParams),
+                request(PrefillFailed),
+            ],
+        ),
+        // The request itself is wrong: prefill is fine.
+        (
+            "",
+            Some(400),
+            refused,
+            vec![latency(PrefillResult::Failed), request(ClientError)],
+        ),
+        (
+            r#"{"on_prefill_failure":"decode_only"}"#,
+            Some(422),
+            refused,
+            vec![latency(PrefillResult::Failed), request(ClientError)],
+        ),
+        (
+            "",
+            Some(500),
+            b"{}",
+            vec![
+                latency(PrefillResult::Failed),
+                Metric::PrefillFailure(Status),
+                request(PrefillFailed),
+            ],
+        ),
+        (
+            r#"{"on_prefill_failure":"decode_only"}"#,
+            Some(500),
+            b"{}",
+            vec![
+                latency(PrefillResult::Failed),
+                Metric::PrefillFailure(Status),
+                Metric::DecodeOnlyFallback,
+                request(DecodeOnly),
+            ],
+        ),
+        (
+            "",
+            Some(504),
+            b"upstream request timeout",
+            vec![
+                latency(PrefillResult::Failed),
+                Metric::PrefillFailure(Timeout),
+                request(PrefillFailed),
+            ],
+        ),
+        (
+            r#"{"prefill_retries":0}"#,
+            None,
+            b"",
+            vec![
+                latency(PrefillResult::Failed),
+                Metric::PrefillFailure(Reset),
+                request(PrefillFailed),
+            ],
+        ),
+    ];
+    for (config, status, body, expected) in cases {
+        assert_eq!(
+            outcome_of(config, status, body),
+            expected,
+            "{config} {status:?} {}",
+            String::from_utf8_lossy(body)
+        );
+    }
+
+    // A call that cannot be sent.
+    let mut s = session("");
+    send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+    assert_eq!(
+        recorded(&s.on_prefill_dispatched(None, at(0))),
+        vec![
+            latency(PrefillResult::Failed),
+            Metric::PrefillFailure(Unreachable),
+            request(PrefillFailed),
+        ]
+    );
+
+    // A decode body over the limit, after prefill made KV: the client's request is too big.
+    let limit = 200;
+    let mut s = session(&format!(r#"{{"max_request_body_bytes":{limit}}}"#));
+    let body = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(limit - 20));
+    send(&mut s, &post("/v1/completions"), &body);
+    s.on_prefill_dispatched(Some(1), at(0));
+    let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert_eq!(
+        recorded(&commands),
+        vec![
+            latency(PrefillResult::Kv),
+            Metric::BadRequest,
+            request(ClientError)
+        ]
+    );
+}
+
+#[test]
+fn the_filters_own_refusals_are_client_errors_of_their_api() {
+    let client_error = |api| {
+        vec![
+            Metric::BadRequest,
+            Metric::Request(api, Outcome::ClientError),
+        ]
+    };
+    // Refused with the headers.
+    let mut s = session("");
+    let wrong_type = headers("POST", "/v1/responses", &[("content-type", "text/plain")]);
+    let step = s.on_request_headers(&wrong_type, false);
+    assert_eq!(reply(&step.commands).0, 415);
+    assert_eq!(recorded(&step.commands), client_error(Api::Responses));
+    // Refused with the body, before any prefill.
+    let mut s = session("");
+    let step = send(&mut s, &post("/v1/chat/completions"), "[1]");
+    assert_eq!(recorded(&step.commands), client_error(Api::ChatCompletions));
+    let mut s = session(r#"{"max_request_body_bytes":100}"#);
+    s.on_request_headers(&post("/v1/completions"), false);
+    let BodyStep::Step(step) = s.on_request_body(101, false) else {
+        panic!("not refused")
+    };
+    assert_eq!(recorded(&step.commands), client_error(Api::Completions));
+
+    // Not an orchestrated API: a bad request, with no outcome.
+    let mut s = session("");
+    let step = s.on_request_headers(&post("//v1/completions"), false);
+    assert_eq!(recorded(&step.commands), vec![Metric::BadRequest]);
+    let mut s = session(r#"{"max_request_body_bytes":100}"#);
+    s.on_request_headers(&post("/v1/messages"), false);
+    let BodyStep::Step(step) = s.on_request_body(101, false) else {
+        panic!("not refused")
+    };
+    assert_eq!(reply(&step.commands).0, 413);
+    assert_eq!(recorded(&step.commands), vec![Metric::BadRequest]);
 }

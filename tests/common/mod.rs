@@ -166,7 +166,8 @@ impl Harness {
         requests.remove(0)
     }
 
-    /// The filter's stats (`wasmcustom.pd_filter.*`) from Envoy's admin endpoint.
+    /// The filter's stats (`wasmcustom.pd_filter.*`) from Envoy's admin endpoint, by their
+    /// names there (labels in Istio's `label=.=value;.;` form).
     pub fn stats(&self) -> std::collections::HashMap<String, String> {
         let text = http_get(self.admin_port, "/stats?filter=pd_filter").unwrap_or_default();
         text.lines()
@@ -178,11 +179,20 @@ impl Harness {
             .collect()
     }
 
-    /// A counter of the filter's stats, 0 when not yet written.
-    pub fn counter(&self, name: &str) -> u64 {
-        self.stats()
-            .get(&format!("pd_filter.{name}"))
-            .and_then(|value| value.parse().ok())
+    /// Everything on Envoy's `/stats/prometheus`.
+    pub fn prometheus(&self) -> Prometheus {
+        let text = http_get(self.admin_port, "/stats/prometheus").expect("/stats/prometheus");
+        Prometheus::parse(&text)
+    }
+
+    /// A series of `/stats/prometheus`, written as in PromQL: `pd_filter_requests_passed_through`
+    /// or `pd_filter_requests{api="completions",outcome="decoded"}` (every label given). 0 when
+    /// absent.
+    pub fn counter(&self, series: &str) -> u64 {
+        let (name, labels) = parse_series(series);
+        self.prometheus()
+            .value(&name, &labels)
+            .map(|value| value as u64)
             .unwrap_or(0)
     }
 
@@ -395,6 +405,121 @@ pub fn http_get(port: u16, path: &str) -> Option<String> {
     }
 }
 
+/// The `stats_config` of `envoy/envoy.yaml` (the rules that make the filter's labels), as
+/// JSON, which is YAML too: the test Envoy shows the stats as users see them.
+pub fn shipped_stats_config() -> serde_json::Value {
+    let path = repo_root().join("envoy/envoy.yaml");
+    let text = std::fs::read_to_string(&path).expect("envoy/envoy.yaml");
+    let config: serde_json::Value = serde_yaml_ng::from_str(&text).expect("envoy.yaml is YAML");
+    let stats_config = config["stats_config"].clone();
+    assert!(
+        stats_config.is_object(),
+        "envoy/envoy.yaml has no stats_config"
+    );
+    stats_config
+}
+
+/// One sample of `/stats/prometheus`.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+/// Envoy's `/stats/prometheus`: each family's type and its samples.
+#[derive(Debug, Clone, Default)]
+pub struct Prometheus {
+    /// Family name and its `# TYPE` (counter, gauge, histogram, summary).
+    pub types: Vec<(String, String)>,
+    pub samples: Vec<Sample>,
+}
+
+impl Prometheus {
+    /// Reads the text exposition format as Envoy writes it.
+    pub fn parse(text: &str) -> Prometheus {
+        let mut parsed = Prometheus::default();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                if let Some((name, kind)) = rest.split_once(' ') {
+                    parsed.types.push((name.to_owned(), kind.trim().to_owned()));
+                }
+                continue;
+            }
+            if line.starts_with('#') || line.trim().is_empty() {
+                continue;
+            }
+            let (series, value) = line.rsplit_once(' ').expect("sample line");
+            let (name, labels) = parse_series(series);
+            let value = value.parse().unwrap_or(f64::NAN);
+            parsed.samples.push(Sample {
+                name,
+                labels,
+                value,
+            });
+        }
+        parsed
+    }
+
+    /// The type of a family, by the name in its `# TYPE` line.
+    pub fn family_type(&self, family: &str) -> Option<&str> {
+        self.types
+            .iter()
+            .find(|(name, _)| name == family)
+            .map(|(_, kind)| kind.as_str())
+    }
+
+    /// The samples of a family: for a histogram, its `_bucket`, `_sum` and `_count` series.
+    pub fn family(&self, family: &str) -> Vec<&Sample> {
+        let histogram = self.family_type(family) == Some("histogram");
+        self.samples
+            .iter()
+            .filter(|sample| {
+                sample.name == family
+                    || (histogram
+                        && ["_bucket", "_sum", "_count"]
+                            .iter()
+                            .any(|suffix| sample.name == format!("{family}{suffix}")))
+            })
+            .collect()
+    }
+
+    /// The value of the series with exactly these labels.
+    pub fn value(&self, name: &str, labels: &[(String, String)]) -> Option<f64> {
+        let mut wanted = labels.to_vec();
+        wanted.sort();
+        self.samples
+            .iter()
+            .find(|sample| {
+                let mut have = sample.labels.clone();
+                have.sort();
+                sample.name == name && have == wanted
+            })
+            .map(|sample| sample.value)
+    }
+}
+
+/// `name{a="x",b="y"}` into the name and its labels (values without escapes, as Envoy's are).
+pub fn parse_series(series: &str) -> (String, Vec<(String, String)>) {
+    let Some((name, rest)) = series.split_once('{') else {
+        return (series.trim().to_owned(), Vec::new());
+    };
+    let body = rest
+        .trim_end()
+        .strip_suffix('}')
+        .expect("labels end with }");
+    let labels = body
+        .split(',')
+        .filter(|pair| !pair.trim().is_empty())
+        .map(|pair| {
+            let (key, value) = pair.split_once('=').expect("label=value");
+            let value = value.trim().trim_matches('"');
+            (key.trim().to_owned(), value.to_owned())
+        })
+        .collect();
+    (name.trim().to_owned(), labels)
+}
+
 fn envoy_config(wasm: &Path, ports: &Ports) -> String {
     let mut listeners = String::new();
     for listener in LISTENERS {
@@ -410,8 +535,10 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         original_dst_cluster_yaml("decode_picker", "x-gateway-destination-endpoint"),
     ]
     .concat();
+    let stats_config = shipped_stats_config();
     format!(
         r#"stats_flush_interval: 1s
+stats_config: {stats_config}
 admin:
   address:
     socket_address: {{ address: 127.0.0.1, port_value: 0 }}

@@ -1,0 +1,59 @@
+//! What the stats say about how a request ended and what its prefill came to.
+
+/// How an orchestrated request ended, as the stats count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Sent to decode with prefill's `kv_transfer_params`.
+    Decoded,
+    /// Sent to decode without them: decode recomputes the prompt.
+    DecodeOnly,
+    /// Answered 4xx because of the request: by the filter itself, or by prefill.
+    ClientError,
+    /// Answered 5xx because prefill failed.
+    PrefillFailed,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 4] = [
+        Outcome::Decoded,
+        Outcome::DecodeOnly,
+        Outcome::ClientError,
+        Outcome::PrefillFailed,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Outcome::Decoded => "decoded",
+            Outcome::DecodeOnly => "decode_only",
+            Outcome::ClientError => "client_error",
+            Outcome::PrefillFailed => "prefill_failed",
+        }
+    }
+}
+
+/// What a prefill leg came to, for its latency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillResult {
+    /// A 2xx answer with `kv_transfer_params`.
+    Kv,
+    /// A 2xx answer without usable `kv_transfer_params`.
+    NoKv,
+    /// No usable answer, after the retries.
+    Failed,
+}
+
+impl PrefillResult {
+    pub const ALL: [PrefillResult; 3] = [
+        PrefillResult::Kv,
+        PrefillResult::NoKv,
+        PrefillResult::Failed,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillResult::Kv => "kv",
+            PrefillResult::NoKv => "no_kv",
+            PrefillResult::Failed => "failed",
+        }
+    }
+}
