@@ -62,8 +62,8 @@ ensure() {
     # shellcheck disable=SC2086 # DOCKERD_ARGS is a list of arguments
     setsid dockerd $DOCKERD_ARGS </dev/null >"$dir/dockerd.log" 2>&1 &
     echo $! >"$pidfile"
-    local i
-    for i in $(seq 60); do
+    local _
+    for _ in $(seq 60); do
         if engine_answers; then
             say "dockerd is up (pid $(cat "$pidfile"))"
             return 0
@@ -88,8 +88,8 @@ stop() {
     rm -f "$pidfile"
     kill -0 "$pid" 2>/dev/null || return 0
     kill -TERM "$pid"
-    local i
-    for i in $(seq 30); do
+    local _
+    for _ in $(seq 30); do
         kill -0 "$pid" 2>/dev/null || { say "stopped dockerd (pid $pid)"; return 0; }
         sleep 1
     done

@@ -160,7 +160,9 @@ done
 envoy_binary() {
     local candidate real
     for candidate in "${ENVOY:-}" "$(command -v envoy || true)" .venv/bin/envoy; do
-        [ -n "$candidate" ] && [ -f "$candidate" ] || continue
+        if [ -z "$candidate" ] || [ ! -f "$candidate" ]; then
+            continue
+        fi
         real=$(readlink -f "$candidate")
         if [ "$(head -c 4 "$real" | od -An -tx1 | tr -d ' \n')" = 7f454c46 ]; then
             echo "$real"
@@ -281,8 +283,9 @@ expect "docker-compose.yml passes \`${compose[*]} config\`" "" true
 awk '/^    ports:/ { skip = 1; next }
      skip && /^(     |    - )/ { next }
      { skip = 0; print }' "$work/compose.resolved.yml" >"$stack_file"
-[ "$(grep -c 'network_mode: host' "$stack_file")" -eq 3 ] && ! grep -q 'ports:' "$stack_file" ||
+if [ "$(grep -c 'network_mode: host' "$stack_file")" -ne 3 ] || grep -q 'ports:' "$stack_file"; then
     die "unexpected resolved compose file: $stack_file"
+fi
 built+=("$MOCK_IMAGE")
 echo "building $MOCK_IMAGE (deploy/mock/Dockerfile; log: $work/compose-build.log)"
 # Both mock services run this one image: building it for one builds it for both.
@@ -295,8 +298,8 @@ logged compose-up.log compose_cmd up -d --no-build || die "docker compose up fai
 compose_cmd ps
 
 wait_for() { # wait_for URL WHAT
-    local i
-    for i in $(seq 60); do
+    local _
+    for _ in $(seq 60); do
         curl -sf --max-time 2 -o /dev/null "$1" && return 0
         sleep 1
     done
