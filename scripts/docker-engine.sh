@@ -12,6 +12,10 @@
 # (works where overlay mounts do not, such as inside a container or a VM without the module)
 # and without iptables rules (nothing here needs NAT: make test-compose uses the host's
 # network), logs to target/docker-engine/dockerd.log and is stopped by its pid.
+#
+# One engine serves every clone on the machine, so `probe` and scripts/test-compose.sh take one
+# machine-wide lock, $TMPDIR/pd-filter-docker-engine.lock on file descriptor 9, for as long as
+# they use it: a run never finds an engine that another run is about to stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +24,17 @@ pidfile=$dir/dockerd.pid
 DOCKERD_ARGS=${DOCKERD_ARGS:---storage-driver=vfs --iptables=false}
 
 say() { echo "docker-engine: $*"; }
+
+# lock_engine WHO: hold the machine-wide lock on fd 9 until this process and the ones it starts
+# (but dockerd) have ended; waits for another holder at most 30 minutes.
+lock_engine() {
+    local lock=${TMPDIR:-/tmp}/pd-filter-docker-engine.lock
+    exec 9>>"$lock"
+    if ! flock -n 9; then
+        echo "$1: another run is using the Docker engine ($lock held); waiting for it"
+        flock -w 1800 9 || { echo "$1: still held after 30 minutes" >&2; return 1; }
+    fi
+}
 
 engine_answers() { timeout 20 docker info >/dev/null 2>&1; }
 
@@ -60,7 +75,8 @@ ensure() {
     say "starting dockerd $DOCKERD_ARGS (log: $dir/dockerd.log)"
     # Its own session, no terminal, output to a file: nothing waits on it but this pid file.
     # shellcheck disable=SC2086 # DOCKERD_ARGS is a list of arguments
-    setsid dockerd $DOCKERD_ARGS </dev/null >"$dir/dockerd.log" 2>&1 &
+    # fd 9 (the lock) closed: a dockerd left running must not keep the lock.
+    setsid dockerd $DOCKERD_ARGS </dev/null >"$dir/dockerd.log" 2>&1 9>&- &
     echo $! >"$pidfile"
     local _
     for _ in $(seq 60); do
@@ -101,6 +117,7 @@ case "${1:-}" in
     ensure) ensure ;;
     stop) stop ;;
     probe)
+        lock_engine docker-engine
         if ensure; then
             stop
             say "this machine can run Docker"

@@ -55,6 +55,7 @@ failed=0
 built=()        # images this run built, removed at the end
 stack_up=false
 started_engine=false # this run started dockerd (scripts/docker-engine.sh), and so stops it
+locked=false         # this run holds the engine lock: until then, cleanup leaves Docker alone
 
 step() { printf '\n== %s (%ds)\n' "$*" "$(($(date +%s) - start))"; }
 expect() { # expect NAME DETAIL COMMAND...: one check, passed when COMMAND succeeds
@@ -109,7 +110,7 @@ cleanup() {
             echo "test-compose: docker compose down failed (see $work/compose-down.log)"
         fi
     fi
-    if docker info >/dev/null 2>&1; then
+    if [ "$locked" = true ] && docker info >/dev/null 2>&1; then
         for image in "${built[@]}"; do
             docker rmi -f "$image" >/dev/null 2>&1
         done
@@ -134,6 +135,14 @@ trap 'exit 130' INT TERM
 mkdir -p "$work"
 
 step "Docker engine, the filter, Envoy"
+# The machine-wide lock scripts/docker-engine.sh describes (fd 9, never passed to dockerd):
+# another run of this test, from any clone, waits here until this one has stopped its engine.
+exec 9>>"${TMPDIR:-/tmp}/pd-filter-docker-engine.lock"
+if ! flock -n 9; then
+    echo "another run is using the Docker engine; waiting for it (at most 30 minutes)"
+    flock -w 1800 9 || die "the Docker engine lock is still held after 30 minutes"
+fi
+locked=true
 engine_pidfile=target/docker-engine/dockerd.pid # written when docker-engine.sh starts dockerd
 [ -f "$engine_pidfile" ] && had_pidfile=true || had_pidfile=false
 scripts/docker-engine.sh ensure || die "no Docker engine can run here"
