@@ -13,8 +13,9 @@
 #     deploy/local/rust.Dockerfile), and Envoy from `make envoy` on it (deploy/local/
 #     envoy.Dockerfile). COMPOSE_TEST_IMAGES=official uses the official names whatever is
 #     present (Docker pulls them), =local always the stand-ins.
-#  3. The stack: docker compose with scripts/test-compose.override.yml (host network, every
-#     server on 127.0.0.1; the override says why), build, up -d.
+#  3. The stack: docker-compose.yml with scripts/test-compose.override.yml (host network, every
+#     server on 127.0.0.1; the override says why), as `docker compose config` resolves the two,
+#     less the `ports` lists; build, up -d.
 #  4. The three APIs through Envoy on 127.0.0.1:10000 with curl, one of them streamed: each
 #     answer 200 from decode with `x-mock-kv: reused` (decode pulled the KV prefill made), and
 #     each mock saw exactly one request with that request id, prefill capped at one token and
@@ -30,7 +31,8 @@
 #
 # Needs root on a machine like CI's (it installs packages and starts dockerd), or a user who
 # can use a running Docker engine with the official images. Ports 127.0.0.1:10000, :9901,
-# :8100 and :8200 must be free. Ends with one line: `test-compose: N passed, N failed`.
+# :8100 and :8200 must be free. Runs from several clones at once wait for each other (a lock on
+# the machine's one engine). Ends with one line: `test-compose: N passed, N failed`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
