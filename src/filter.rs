@@ -533,14 +533,15 @@ impl HttpContext for PdRequest {
                 .find(|(key, _)| key == name)
                 .and_then(|(_, value)| std::str::from_utf8(value).ok())
         };
-        let wanted = self.request.session.borrow().wants_response_details();
+        let status = value(":status").and_then(|status| status.parse().ok());
+        let wanted = self.request.session.borrow().wants_response_details(status);
         let details = wanted
             .then(|| hostcalls::get_property(vec!["response", "code_details"]).ok())
             .flatten()
             .flatten()
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
         let head = ResponseHead {
-            status: value(":status").and_then(|status| status.parse().ok()),
+            status,
             content_type: value("content-type"),
             has_request_id: value("x-request-id").is_some(),
             code_details: details.as_deref(),

@@ -795,16 +795,18 @@ impl Session {
             .collect()
     }
 
-    /// Whether [`Session::on_response_headers`] needs Envoy's `response.code_details`: only
-    /// while decode may not have taken the KV prefill made.
-    pub fn wants_response_details(&self) -> bool {
-        matches!(
+    /// Whether [`Session::on_response_headers`] needs Envoy's `response.code_details` for an
+    /// answer with this status: only while decode may not have taken the KV prefill made,
+    /// and only for the 5xx Envoy answers with when decode could not be reached.
+    pub fn wants_response_details(&self, status: Option<u16>) -> bool {
+        let unread = matches!(
             self.state,
             State::Decoding {
                 unread_kv: Some(_),
                 ..
             }
-        )
+        );
+        unread && status.is_none_or(|status| status >= 500)
     }
 
     /// The response to the client begins.

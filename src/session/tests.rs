@@ -373,7 +373,13 @@ fn kv_is_released_only_when_decode_never_took_the_request() {
     let unreachable = "upstream_reset_before_response_started{remote_connection_failure}";
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert!(
+        !s.wants_response_details(Some(200)),
+        "a 200 is decode's own"
+    );
+    assert!(s.wants_response_details(Some(503)));
     released(&s.on_response_headers(&unreached(unreachable)));
+    assert!(!s.wants_response_details(Some(503)), "asked once");
     assert!(
         s.on_response_headers(&unreached(unreachable)).is_empty(),
         "once"
