@@ -180,3 +180,46 @@ async fn trace_headers_reach_prefill() {
         Some("80f198ee56343ba864fe8b2a57d3eff7")
     );
 }
+
+#[tokio::test]
+async fn prompt_logprobs_come_from_prefill() {
+    let h = harness();
+    for api in &APIS[..2] {
+        let id = unique_id("prompt-logprobs");
+        let mut sent = body(api, "how likely is this prompt", false);
+        sent["prompt_logprobs"] = json!(1);
+        let reply = Request::post("default", api.path)
+            .id(&id)
+            .body(sent.to_string())
+            .send()
+            .await;
+        assert_eq!(reply.status, 200, "{}: {}", api.path, reply.body);
+        assert_eq!(reply.header("x-mock-kv"), Some("reused"));
+        let answer = reply.json();
+        let logprobs = match api.path {
+            "/v1/completions" => answer["choices"][0]["prompt_logprobs"].clone(),
+            _ => answer["prompt_logprobs"].clone(),
+        };
+        // One entry per prompt token, the first without a logprob, as vLLM answers.
+        let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(
+            logprobs.as_array().map(Vec::len),
+            Some(prompt_tokens),
+            "{answer}"
+        );
+        assert_eq!(logprobs[0], Value::Null);
+        assert_eq!(h.only_prefill(&id).json()["prompt_logprobs"], 1);
+        assert!(h.only_decode(&id).json().get("prompt_logprobs").is_none());
+    }
+
+    let id = unique_id("prompt-logprobs-stream");
+    let mut sent = body(&APIS[0], "stream my logprobs", true);
+    sent["prompt_logprobs"] = json!(1);
+    let reply = Request::post("default", APIS[0].path)
+        .id(&id)
+        .body(sent.to_string())
+        .send()
+        .await;
+    reply.assert_error(400, "prompt_logprobs cannot be streamed");
+    assert!(h.prefill_requests(&id).is_empty());
+}

@@ -518,6 +518,19 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
         })
     };
     let mut object = answer.object();
+    if parsed.prompt_logprobs.is_some() {
+        let logprobs = parsed.prompt_logprobs_value();
+        match parsed.endpoint {
+            Endpoint::Chat => object["prompt_logprobs"] = logprobs,
+            _ => {
+                if let Some(choices) = object["choices"].as_array_mut() {
+                    for choice in choices {
+                        choice["prompt_logprobs"] = logprobs.clone();
+                    }
+                }
+            }
+        }
+    }
     if !faults.no_kv {
         object["kv_transfer_params"] = kv;
     }
@@ -528,6 +541,14 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
 }
 
 fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
+    if parsed.prompt_logprobs.is_some() && parsed.kv.as_ref().is_some_and(|kv| !kv.is_null()) {
+        // A decode worker that pulls the prompt's KV never computes the prompt: it cannot
+        // give prompt logprobs (vLLM fails such requests).
+        return error_response(
+            400,
+            "prompt_logprobs cannot be computed with kv_transfer_params (remote prefill)",
+        );
+    }
     let outcome = proto::kv_outcome(
         parsed.kv.as_ref(),
         &parsed.fingerprint(),
