@@ -223,3 +223,34 @@ async fn prompt_logprobs_come_from_prefill() {
     reply.assert_error(400, "prompt_logprobs cannot be streamed");
     assert!(h.prefill_requests(&id).is_empty());
 }
+
+#[tokio::test]
+async fn a_streamed_token_reaches_the_client_while_the_next_is_generated() {
+    // Decode streams an event every 150 ms; with usage merging on, each must still reach the
+    // client as it comes, not once the answer is whole.
+    for api in &APIS {
+        let id = unique_id("pace");
+        let mut sent = body(api, "pace mock:decode_token_delay_ms=150", true);
+        sent["stream"] = json!(true);
+        let reply = Request::post("default", api.path)
+            .id(&id)
+            .body(sent.to_string())
+            .send()
+            .await;
+        assert_eq!(reply.status, 200, "{}: {}", api.path, reply.body);
+        let streaming = reply.latency.saturating_sub(reply.first_bytes);
+        assert!(
+            streaming.as_millis() >= 500,
+            "{}: first bytes at {:?}, whole answer at {:?}",
+            api.path,
+            reply.first_bytes,
+            reply.latency
+        );
+        let usage = client_usage(&reply.body);
+        assert_eq!(
+            usage[api.details]["cached_tokens"], PREFILL_CACHED,
+            "{}",
+            api.path
+        );
+    }
+}
