@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{answer_text, expected_decode_text, harness, unique_id, Request};
+use common::{answer_text, expected_decode_text, harness, unique_id, Reply, Request};
 use serde_json::{json, Value};
 
 /// The mock prefill reports this many prompt tokens from its own prefix cache; the mock
@@ -56,6 +56,15 @@ fn body(api: &Api, words: &str, stream: bool) -> Value {
     body
 }
 
+/// Sends `body` to `api` on the default listener with `x-request-id: id`.
+async fn post(api: &Api, id: &str, body: &Value) -> Reply {
+    Request::post("default", api.path)
+        .id(id)
+        .body(body.to_string())
+        .send()
+        .await
+}
+
 /// The usage the client got: the answer's, the usage chunk's, or `response.completed`'s.
 fn client_usage(answer: &str) -> Value {
     if let Ok(object) = serde_json::from_str::<Value>(answer) {
@@ -81,11 +90,7 @@ async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
         for stream in [false, true] {
             let id = unique_id("usage");
             let sent = body(api, "count my tokens", stream);
-            let reply = Request::post("default", api.path)
-                .id(&id)
-                .body(sent.to_string())
-                .send()
-                .await;
+            let reply = post(api, &id, &sent).await;
             let case = format!("{} stream={stream}", api.path);
             assert_eq!(reply.status, 200, "{case}: {}", reply.body);
             assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
@@ -188,11 +193,7 @@ async fn prompt_logprobs_come_from_prefill() {
         let id = unique_id("prompt-logprobs");
         let mut sent = body(api, "how likely is this prompt", false);
         sent["prompt_logprobs"] = json!(1);
-        let reply = Request::post("default", api.path)
-            .id(&id)
-            .body(sent.to_string())
-            .send()
-            .await;
+        let reply = post(api, &id, &sent).await;
         assert_eq!(reply.status, 200, "{}: {}", api.path, reply.body);
         assert_eq!(reply.header("x-mock-kv"), Some("reused"));
         let answer = reply.json();
@@ -215,11 +216,7 @@ async fn prompt_logprobs_come_from_prefill() {
     let id = unique_id("prompt-logprobs-stream");
     let mut sent = body(&APIS[0], "stream my logprobs", true);
     sent["prompt_logprobs"] = json!(1);
-    let reply = Request::post("default", APIS[0].path)
-        .id(&id)
-        .body(sent.to_string())
-        .send()
-        .await;
+    let reply = post(&APIS[0], &id, &sent).await;
     reply.assert_error(400, "prompt_logprobs cannot be streamed");
     assert!(h.prefill_requests(&id).is_empty());
 }
@@ -232,11 +229,7 @@ async fn a_streamed_token_reaches_the_client_while_the_next_is_generated() {
         let id = unique_id("pace");
         let mut sent = body(api, "pace mock:decode_token_delay_ms=150", true);
         sent["stream"] = json!(true);
-        let reply = Request::post("default", api.path)
-            .id(&id)
-            .body(sent.to_string())
-            .send()
-            .await;
+        let reply = post(api, &id, &sent).await;
         assert_eq!(reply.status, 200, "{}: {}", api.path, reply.body);
         let streaming = reply.latency.saturating_sub(reply.first_bytes);
         assert!(

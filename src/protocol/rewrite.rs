@@ -162,16 +162,7 @@ pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientEr
     if !object.has(KV_TRANSFER_PARAMS) {
         return Ok(None);
     }
-    let splice = object.splice(
-        |key| {
-            if key == KV_TRANSFER_PARAMS {
-                Edit::Remove
-            } else {
-                Edit::Keep
-            }
-        },
-        &[],
-    );
+    let splice = object.splice_member(KV_TRANSFER_PARAMS, Edit::Remove);
     Ok(Some(splice.write(text, b"")))
 }
 

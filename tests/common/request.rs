@@ -125,6 +125,14 @@ impl Request {
         self
     }
 
+    /// Sends the request and leaves after `patience`, closing the connection; `true` when
+    /// the whole answer came first.
+    pub async fn leave_after(self, patience: Duration) -> bool {
+        tokio::time::timeout(patience, self.try_send())
+            .await
+            .is_ok()
+    }
+
     /// Sends the request and reads the whole reply; panics when that fails.
     pub async fn send(self) -> Reply {
         self.try_send()
