@@ -210,6 +210,22 @@ impl<'a> JsonObject<'a> {
     }
 }
 
+impl<'a> JsonObject<'a> {
+    /// [`JsonObject::splice`] with one key edited and every other member kept.
+    pub fn splice_member(&self, key: &str, edit: Edit) -> Splice {
+        self.splice(
+            |member| {
+                if member == key {
+                    edit
+                } else {
+                    Edit::Keep
+                }
+            },
+            &[],
+        )
+    }
+}
+
 /// What to do with a member when splicing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Edit {

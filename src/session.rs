@@ -11,6 +11,7 @@ use crate::api::Api;
 use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy, UsagePolicy};
 use crate::protocol::kv_release::decode_never_read;
 use crate::protocol::paths::PathVerdict;
+use crate::protocol::prompt_logprobs;
 use crate::protocol::rewrite::{kv_release_body, strip_kv_transfer_params};
 use crate::protocol::scheduling::{
     check_model_for_header, parse_prefill_hosts, with_reachable_remote_host,
@@ -21,6 +22,7 @@ use crate::protocol::{
     PrefillAnswer, PrefillFailure,
 };
 use crate::request_id::new_request_id;
+use serde_json::Value;
 
 /// The filter state key of the prefill time in milliseconds: Envoy's access log reads it as
 /// `%FILTER_STATE(wasm.pd_prefill_ms:PLAIN)%`.
@@ -186,6 +188,8 @@ enum State {
         unread_kv: Option<UnreadKv>,
         /// Prefill's prompt counts, to put into decode's usage.
         prompt_usage: Option<(Api, PromptUsage)>,
+        /// Prefill's prompt logprobs, to put into decode's answer.
+        prompt_logprobs: Option<(Api, Value)>,
         answer: AnswerRewrite,
     },
     /// The filter answered the client.
@@ -628,6 +632,12 @@ impl Session {
                 let prompt_usage = (config.usage == UsagePolicy::Merge)
                     .then(|| prompt_usage(prefill.api, body).map(|usage| (prefill.api, usage)))
                     .flatten();
+                let prompt_logprobs = prefill
+                    .decode
+                    .prompt_logprobs_from_prefill
+                    .then(|| prompt_logprobs::from_prefill_answer(prefill.api, body))
+                    .flatten()
+                    .map(|logprobs| (prefill.api, logprobs));
                 let unread_kv = config.release_kv_on_abandon.then(|| UnreadKv {
                     api: prefill.api,
                     kv_transfer_params: kv.to_vec(),
@@ -638,6 +648,7 @@ impl Session {
                     prefill_time,
                     unread_kv,
                     prompt_usage,
+                    prompt_logprobs,
                     answer: AnswerRewrite::Untouched,
                 };
                 commands
@@ -762,6 +773,7 @@ impl Session {
             prefill_time: Some(prefill.elapsed(now)),
             unread_kv: None,
             prompt_usage: None,
+            prompt_logprobs: None,
             answer: AnswerRewrite::Untouched,
         };
         commands
@@ -818,6 +830,7 @@ impl Session {
             prefill_time,
             unread_kv,
             prompt_usage,
+            prompt_logprobs,
             answer,
         } = &mut self.state
         else {
@@ -836,13 +849,13 @@ impl Session {
                 value: self.request_id.clone(),
             });
         }
-        if prompt_usage.is_some() && head.status == Some(200) {
+        if (prompt_usage.is_some() || prompt_logprobs.is_some()) && head.status == Some(200) {
             let essence = head
                 .content_type
                 .and_then(|value| value.split(';').next())
                 .map(str::trim)
                 .unwrap_or_default();
-            if essence.eq_ignore_ascii_case("text/event-stream") {
+            if essence.eq_ignore_ascii_case("text/event-stream") && prompt_usage.is_some() {
                 *answer = AnswerRewrite::Events(EventStream::default());
             } else if essence.eq_ignore_ascii_case("application/json") {
                 *answer = AnswerRewrite::Whole;
@@ -887,7 +900,8 @@ impl Session {
     /// event stream, or the whole of a JSON answer.
     pub fn on_response_body_read(&mut self, body: &[u8], end_of_stream: bool) -> Step {
         let State::Decoding {
-            prompt_usage: Some((api, prompt)),
+            prompt_usage,
+            prompt_logprobs,
             answer,
             ..
         } = &mut self.state
@@ -896,8 +910,18 @@ impl Session {
         };
         let rewritten = match answer {
             AnswerRewrite::Untouched => None,
-            AnswerRewrite::Whole => merge_answer(*api, body, *prompt),
-            AnswerRewrite::Events(events) => events.on_chunk(*api, *prompt, body, end_of_stream),
+            AnswerRewrite::Whole => {
+                let merged = prompt_usage.and_then(|(api, prompt)| merge_answer(api, body, prompt));
+                let current = merged.as_deref().unwrap_or(body);
+                prompt_logprobs
+                    .as_ref()
+                    .and_then(|(api, logprobs)| {
+                        prompt_logprobs::into_answer(*api, current, logprobs)
+                    })
+                    .or(merged)
+            }
+            AnswerRewrite::Events(events) => prompt_usage
+                .and_then(|(api, prompt)| events.on_chunk(api, prompt, body, end_of_stream)),
         };
         let commands = rewritten
             .map(|rewritten| Command::ReplaceResponseBody {

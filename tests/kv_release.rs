@@ -17,8 +17,10 @@ const KV_DROPPED: &str = r#"pd_filter_kv_releases{outcome="dropped"}"#;
 /// The ledger is the mock's, shared by every test here: one test at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn completion(prompt: &str) -> String {
-    json!({"model": "m", "prompt": prompt, "max_tokens": 5}).to_string()
+/// A completion request on `listener` with `id` for `prompt`.
+fn post(listener: &str, id: &str, prompt: &str) -> Request {
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 5}).to_string();
+    Request::post(listener, COMPLETIONS).id(id).body(body)
 }
 
 /// Waits until prefill holds no stranded KV, or says how many are left.
@@ -63,17 +65,14 @@ async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
     for id in &ids {
         let id = id.clone();
         clients.push(tokio::spawn(async move {
-            let body = completion("left early mock:prefill_delay_ms=1500");
-            let request = Request::post("default", COMPLETIONS)
-                .id(&id)
-                .body(body)
-                .try_send();
-            // Dropping the future closes the connection while prefill works.
-            tokio::time::timeout(Duration::from_millis(300), request).await
+            // The client leaves while prefill works.
+            post("default", &id, "left early mock:prefill_delay_ms=1500")
+                .leave_after(Duration::from_millis(300))
+                .await
         }));
     }
     for client in clients {
-        assert!(client.await.unwrap().is_err(), "answered within 300 ms");
+        assert!(!client.await.unwrap(), "answered within 300 ms");
     }
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let left = wait_until_nothing_is_stranded(Duration::from_secs(5)).await;
@@ -104,9 +103,7 @@ async fn decode_that_was_never_reached_strands_no_kv() {
     let _serial = SERIAL.lock().await;
     let h = harness();
     let id = unique_id("decode-down");
-    let reply = Request::post("decode_unreachable", COMPLETIONS)
-        .id(&id)
-        .body(completion("nobody decodes this"))
+    let reply = post("decode_unreachable", &id, "nobody decodes this")
         .send()
         .await;
     assert_eq!(reply.status, 503, "{}", reply.body);
@@ -132,11 +129,7 @@ async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
     let h = harness();
     let released_before = h.counter(KV_RELEASED);
     let served = unique_id("served");
-    let reply = Request::post("default", COMPLETIONS)
-        .id(&served)
-        .body(completion("a normal request"))
-        .send()
-        .await;
+    let reply = post("default", &served, "a normal request").send().await;
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.header("x-mock-kv"), Some("reused"));
 

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{answer_text, expected_decode_text, harness, unique_id, Request};
+use common::{answer_text, expected_decode_text, harness, unique_id, Reply, Request};
 use serde_json::{json, Value};
 
 /// The mock prefill reports this many prompt tokens from its own prefix cache; the mock
@@ -56,6 +56,15 @@ fn body(api: &Api, words: &str, stream: bool) -> Value {
     body
 }
 
+/// Sends `body` to `api` on the default listener with `x-request-id: id`.
+async fn post(api: &Api, id: &str, body: &Value) -> Reply {
+    Request::post("default", api.path)
+        .id(id)
+        .body(body.to_string())
+        .send()
+        .await
+}
+
 /// The usage the client got: the answer's, the usage chunk's, or `response.completed`'s.
 fn client_usage(answer: &str) -> Value {
     if let Ok(object) = serde_json::from_str::<Value>(answer) {
@@ -81,11 +90,7 @@ async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
         for stream in [false, true] {
             let id = unique_id("usage");
             let sent = body(api, "count my tokens", stream);
-            let reply = Request::post("default", api.path)
-                .id(&id)
-                .body(sent.to_string())
-                .send()
-                .await;
+            let reply = post(api, &id, &sent).await;
             let case = format!("{} stream={stream}", api.path);
             assert_eq!(reply.status, 200, "{case}: {}", reply.body);
             assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
@@ -179,4 +184,66 @@ async fn trace_headers_reach_prefill() {
         prefill.header("x-b3-traceid"),
         Some("80f198ee56343ba864fe8b2a57d3eff7")
     );
+}
+
+#[tokio::test]
+async fn prompt_logprobs_come_from_prefill() {
+    let h = harness();
+    for api in &APIS[..2] {
+        let id = unique_id("prompt-logprobs");
+        let mut sent = body(api, "how likely is this prompt", false);
+        sent["prompt_logprobs"] = json!(1);
+        let reply = post(api, &id, &sent).await;
+        assert_eq!(reply.status, 200, "{}: {}", api.path, reply.body);
+        assert_eq!(reply.header("x-mock-kv"), Some("reused"));
+        let answer = reply.json();
+        let logprobs = match api.path {
+            "/v1/completions" => answer["choices"][0]["prompt_logprobs"].clone(),
+            _ => answer["prompt_logprobs"].clone(),
+        };
+        // One entry per prompt token, the first without a logprob, as vLLM answers.
+        let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(
+            logprobs.as_array().map(Vec::len),
+            Some(prompt_tokens),
+            "{answer}"
+        );
+        assert_eq!(logprobs[0], Value::Null);
+        assert_eq!(h.only_prefill(&id).json()["prompt_logprobs"], 1);
+        assert!(h.only_decode(&id).json().get("prompt_logprobs").is_none());
+    }
+
+    let id = unique_id("prompt-logprobs-stream");
+    let mut sent = body(&APIS[0], "stream my logprobs", true);
+    sent["prompt_logprobs"] = json!(1);
+    let reply = post(&APIS[0], &id, &sent).await;
+    reply.assert_error(400, "prompt_logprobs cannot be streamed");
+    assert!(h.prefill_requests(&id).is_empty());
+}
+
+#[tokio::test]
+async fn a_streamed_token_reaches_the_client_while_the_next_is_generated() {
+    // Decode streams an event every 150 ms; with usage merging on, each must still reach the
+    // client as it comes, not once the answer is whole.
+    for api in &APIS {
+        let id = unique_id("pace");
+        let mut sent = body(api, "pace mock:decode_token_delay_ms=150", true);
+        sent["stream"] = json!(true);
+        let reply = post(api, &id, &sent).await;
+        assert_eq!(reply.status, 200, "{}: {}", api.path, reply.body);
+        let streaming = reply.latency.saturating_sub(reply.first_bytes);
+        assert!(
+            streaming.as_millis() >= 500,
+            "{}: first bytes at {:?}, whole answer at {:?}",
+            api.path,
+            reply.first_bytes,
+            reply.latency
+        );
+        let usage = client_usage(&reply.body);
+        assert_eq!(
+            usage[api.details]["cached_tokens"], PREFILL_CACHED,
+            "{}",
+            api.path
+        );
+    }
 }

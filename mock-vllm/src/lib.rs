@@ -214,7 +214,11 @@ fn error_response(status: u16, message: &str) -> Response<Body> {
 
 /// A response whose body is fed chunk by chunk; the task aborts it (dropping the connection)
 /// after `cut_after` chunks when set.
-fn channel_response(chunks: Vec<Bytes>, cut_after: Option<usize>) -> Response<Body> {
+fn channel_response(
+    chunks: Vec<Bytes>,
+    cut_after: Option<usize>,
+    pace: Duration,
+) -> Response<Body> {
     let (mut tx, body) = Channel::<Bytes, io::Error>::new(4);
     tokio::spawn(async move {
         for (i, chunk) in chunks.into_iter().enumerate() {
@@ -224,7 +228,7 @@ fn channel_response(chunks: Vec<Bytes>, cut_after: Option<usize>) -> Response<Bo
             if tx.send_data(chunk).await.is_err() {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            tokio::time::sleep(pace).await;
         }
         if cut_after.is_some() {
             // Let the bytes already sent reach the socket before the connection is dropped.
@@ -321,6 +325,8 @@ struct Faults {
     huge: Option<u64>,
     /// Prefill: prompt tokens its prefix cache already held (`mock:prefill_cached_tokens=N`).
     cached_tokens: Option<u64>,
+    /// Decode: the time between two streamed events (`mock:decode_token_delay_ms=N`).
+    token_delay_ms: Option<u64>,
 }
 
 impl Faults {
@@ -344,7 +350,14 @@ impl Faults {
             non_json: prefill && flag("non_json"),
             huge: if prefill { num("huge") } else { None },
             cached_tokens: if prefill { num("cached_tokens") } else { None },
+            token_delay_ms: if prefill { None } else { num("token_delay_ms") },
         }
+    }
+}
+
+impl Faults {
+    fn pace(&self) -> Duration {
+        Duration::from_millis(self.token_delay_ms.unwrap_or(1))
     }
 }
 
@@ -458,10 +471,10 @@ fn answer(shared: &Shared, parsed: &Parsed, tokens: Vec<String>, cached_tokens: 
     }
 }
 
-fn sse_response(answer: &Answer, include_usage: bool, cut: bool) -> Response<Body> {
+fn sse_response(answer: &Answer, include_usage: bool, cut: bool, pace: Duration) -> Response<Body> {
     let events = answer.events(include_usage);
     let chunks = events.into_iter().map(Bytes::from).collect();
-    let mut resp = channel_response(chunks, cut.then_some(2));
+    let mut resp = channel_response(chunks, cut.then_some(2), pace);
     let headers = resp.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert("cache-control", HeaderValue::from_static("no-cache"));
@@ -475,7 +488,7 @@ fn object_response(object: &Value, cut: bool) -> Response<Body> {
     }
     let bytes = Bytes::from(object.to_string());
     let half = bytes.slice(..bytes.len() / 2);
-    let mut resp = channel_response(vec![half], Some(1));
+    let mut resp = channel_response(vec![half], Some(1), Duration::from_millis(1));
     let headers = resp.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
@@ -488,7 +501,12 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
     let answer = answer(shared, parsed, tokens, faults.cached_tokens.unwrap_or(0));
     if parsed.stream {
         // vLLM only returns kv_transfer_params on non-streamed answers.
-        return sse_response(&answer, parsed.include_usage, faults.reset_mid);
+        return sse_response(
+            &answer,
+            parsed.include_usage,
+            faults.reset_mid,
+            faults.pace(),
+        );
     }
     let wants_kv =
         parsed.kv.as_ref().and_then(|kv| kv.get("do_remote_decode")) == Some(&Value::Bool(true));
@@ -518,6 +536,19 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
         })
     };
     let mut object = answer.object();
+    if parsed.prompt_logprobs.is_some() {
+        let logprobs = parsed.prompt_logprobs_value();
+        match parsed.endpoint {
+            Endpoint::Chat => object["prompt_logprobs"] = logprobs,
+            _ => {
+                if let Some(choices) = object["choices"].as_array_mut() {
+                    for choice in choices {
+                        choice["prompt_logprobs"] = logprobs.clone();
+                    }
+                }
+            }
+        }
+    }
     if !faults.no_kv {
         object["kv_transfer_params"] = kv;
     }
@@ -528,6 +559,14 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
 }
 
 fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
+    if parsed.prompt_logprobs.is_some() && parsed.kv.as_ref().is_some_and(|kv| !kv.is_null()) {
+        // A decode worker that pulls the prompt's KV never computes the prompt: it cannot
+        // give prompt logprobs (vLLM fails such requests).
+        return error_response(
+            400,
+            "prompt_logprobs cannot be computed with kv_transfer_params (remote prefill)",
+        );
+    }
     let outcome = proto::kv_outcome(
         parsed.kv.as_ref(),
         &parsed.fingerprint(),
@@ -543,7 +582,12 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     };
     let answer = answer(shared, parsed, tokens, cached);
     let mut resp = if parsed.stream {
-        sse_response(&answer, parsed.include_usage, faults.reset_mid)
+        sse_response(
+            &answer,
+            parsed.include_usage,
+            faults.reset_mid,
+            faults.pace(),
+        )
     } else {
         object_response(&answer.object(), faults.reset_mid)
     };

@@ -14,7 +14,8 @@ Faults, asked for anywhere in a request body's text:
   mock:prefill_no_kv, mock:prefill_null_kv, mock:prefill_kv_not_object   bad kv_transfer_params
   mock:prefill_non_json                          answer 200 with a text body
   mock:prefill_huge=N                            pad prefill's answer with N bytes
-  mock:prefill_cached_tokens=N                   report N prompt tokens from the prefix cache";
+  mock:prefill_cached_tokens=N                   report N prompt tokens from the prefix cache
+  mock:decode_token_delay_ms=N                   stream one event every N ms";
 
 fn parse_args(args: &[String]) -> Result<Vec<(Role, String)>, String> {
     let mut roles = Vec::new();

@@ -35,11 +35,25 @@ pub(crate) struct Parsed {
     pub prompt: String,
     /// `kv_transfer_params` as sent: `None` when absent.
     pub kv: Option<Value>,
+    /// `prompt_logprobs` asked for (completions and chat).
+    pub prompt_logprobs: Option<u64>,
 }
 
 impl Parsed {
     pub(crate) fn prompt_tokens(&self) -> u64 {
         (self.prompt.split_whitespace().count() as u64).max(1)
+    }
+
+    /// vLLM's `prompt_logprobs` for the prompt: none for the first token, then each token's
+    /// logprob (made up, but a function of the prompt).
+    pub(crate) fn prompt_logprobs_value(&self) -> Value {
+        let mut list = vec![Value::Null];
+        for (i, word) in self.prompt.split_whitespace().enumerate().skip(1) {
+            let logprob = -((word.len() + i) as f64) / 10.0;
+            list.push(json!({ (1000 + i).to_string():
+                {"logprob": logprob, "rank": 1, "decoded_token": word} }));
+        }
+        Value::Array(list)
     }
 
     pub(crate) fn fingerprint(&self) -> String {
@@ -124,6 +138,7 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
             .to_string(),
         prompt,
         kv: obj.get("kv_transfer_params").cloned(),
+        prompt_logprobs: obj.get("prompt_logprobs").and_then(Value::as_u64),
     })
 }
 

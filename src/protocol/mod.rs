@@ -7,6 +7,7 @@ pub mod errors;
 pub mod kv_release;
 pub mod paths;
 pub mod prefill_answer;
+pub mod prompt_logprobs;
 pub mod rewrite;
 pub mod scheduling;
 pub mod usage;

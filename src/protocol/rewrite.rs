@@ -48,6 +48,9 @@ pub struct PreparedRequest {
 pub struct DecodePlan {
     /// Where the JSON text starts in the client's body (after a byte order mark).
     json_start: usize,
+    /// The client asked for prompt logprobs: decode on prefill's KV does not get the request
+    /// for them, prefill's go into its answer.
+    pub prompt_logprobs_from_prefill: bool,
     /// The client's members, with exactly one `kv_transfer_params`: the slot.
     with_kv: Splice,
     /// The client's members without any `kv_transfer_params`; `None` when the client sent
@@ -97,17 +100,27 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
         ClientError::bad_request(format!("request body {what}: {e}"))
     })?;
     refuse_nested_kv_transfer_params(&object)?;
+    let asks_prompt_logprobs = api != Api::Responses
+        && object
+            .last_value("prompt_logprobs")
+            .is_some_and(|value| value != b"null");
+    if asks_prompt_logprobs && object.last_value("stream") == Some(b"true") {
+        return Err(ClientError::bad_request(
+            "prompt_logprobs cannot be streamed through prefill/decode disaggregation: they \
+             are computed on prefill; ask for them without stream",
+        ));
+    }
     let prefill_body = one_token_splice(api, &object, Edit::Replace(REMOTE_DECODE_REQUEST))
         .write(json_text(body, json_start), b"");
 
     let has_client_kv = object.has(KV_TRANSFER_PARAMS);
+    // Decode on prefill's KV never computes the prompt: its prompt logprobs come from
+    // prefill. Decode that recomputes (without KV) computes them itself.
     let kv_edit = |edit: Edit| {
-        move |key: &str| {
-            if key == KV_TRANSFER_PARAMS {
-                edit
-            } else {
-                Edit::Keep
-            }
+        move |key: &str| match key {
+            KV_TRANSFER_PARAMS => edit,
+            "prompt_logprobs" if asks_prompt_logprobs && edit == Edit::Slot => Edit::Remove,
+            _ => Edit::Keep,
         }
     };
     let append_kv: &[(&str, Edit)] = if has_client_kv {
@@ -117,6 +130,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     };
     let decode = DecodePlan {
         json_start,
+        prompt_logprobs_from_prefill: asks_prompt_logprobs,
         with_kv: object.splice(kv_edit(Edit::Slot), append_kv),
         without_kv: has_client_kv.then(|| object.splice(kv_edit(Edit::Remove), &[])),
     };
@@ -148,16 +162,7 @@ pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientEr
     if !object.has(KV_TRANSFER_PARAMS) {
         return Ok(None);
     }
-    let splice = object.splice(
-        |key| {
-            if key == KV_TRANSFER_PARAMS {
-                Edit::Remove
-            } else {
-                Edit::Keep
-            }
-        },
-        &[],
-    );
+    let splice = object.splice_member(KV_TRANSFER_PARAMS, Edit::Remove);
     Ok(Some(splice.write(text, b"")))
 }
 
@@ -435,6 +440,33 @@ mod tests {
             json!({"prompt":"x","max_tokens":1,"stream":false,"kv_transfer_params":{"k":2}})
         );
         assert_eq!(kv_release_body(Api::Completions, b"[]", b"{}"), None);
+    }
+
+    #[test]
+    fn prompt_logprobs_are_asked_of_prefill_and_kept_from_decode_on_its_kv() {
+        let body = br#"{"prompt":"a b c","prompt_logprobs":1,"max_tokens":5}"#;
+        let prepared = prepare(Api::Completions, body).unwrap();
+        assert!(prepared.decode.prompt_logprobs_from_prefill);
+        let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+        assert_eq!(prefill["prompt_logprobs"], 1);
+        let decode: Value =
+            serde_json::from_slice(&prepared.decode.body_with_kv(body, b"{}")).unwrap();
+        assert!(decode.get("prompt_logprobs").is_none(), "{decode}");
+        assert_eq!(
+            prepared.decode.body_without_kv(body),
+            None,
+            "recomputing decode keeps them"
+        );
+
+        let streamed = br#"{"prompt":"a","prompt_logprobs":1,"stream":true}"#;
+        assert_eq!(prepare(Api::Completions, streamed).unwrap_err().status, 400);
+        let none = br#"{"prompt":"a","prompt_logprobs":null,"stream":true}"#;
+        assert!(
+            !prepare(Api::Completions, none)
+                .unwrap()
+                .decode
+                .prompt_logprobs_from_prefill
+        );
     }
 
     #[test]

@@ -161,16 +161,7 @@ pub fn with_reachable_remote_host(kv_transfer_params: &[u8], host: IpAddr) -> Op
         return None;
     }
     let replacement = format!("\"{host}\"");
-    let splice = object.splice(
-        |key| {
-            if key == "remote_host" {
-                Edit::Slot
-            } else {
-                Edit::Keep
-            }
-        },
-        &[],
-    );
+    let splice = object.splice_member("remote_host", Edit::Slot);
     Some(splice.write(kv_transfer_params, replacement.as_bytes()))
 }
 

@@ -79,16 +79,7 @@ fn replace_member(
         return None;
     }
     let replacement = rewrite(value)?;
-    let splice = parsed.splice(
-        |member| {
-            if member == key {
-                Edit::Slot
-            } else {
-                Edit::Keep
-            }
-        },
-        &[],
-    );
+    let splice = parsed.splice_member(key, Edit::Slot);
     Some(splice.write(object, &replacement))
 }
 

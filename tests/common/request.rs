@@ -125,6 +125,14 @@ impl Request {
         self
     }
 
+    /// Sends the request and leaves after `patience`, closing the connection; `true` when
+    /// the whole answer came first.
+    pub async fn leave_after(self, patience: Duration) -> bool {
+        tokio::time::timeout(patience, self.try_send())
+            .await
+            .is_ok()
+    }
+
     /// Sends the request and reads the whole reply; panics when that fails.
     pub async fn send(self) -> Reply {
         self.try_send()
@@ -147,18 +155,26 @@ impl Request {
         if let Some(timeout) = self.timeout {
             request = request.timeout(timeout);
         }
-        let response = request.send().await.map_err(|e| format!("send: {e:?}"))?;
+        let mut response = request.send().await.map_err(|e| format!("send: {e:?}"))?;
         let status = response.status().as_u16();
         let headers = response.headers().clone();
-        let body = response
-            .text()
+        let mut body = Vec::new();
+        let mut first_bytes = None;
+        while let Some(chunk) = response
+            .chunk()
             .await
-            .map_err(|e| format!("status {status}, body: {e:?}"))?;
+            .map_err(|e| format!("status {status}, body: {e:?}"))?
+        {
+            first_bytes.get_or_insert_with(|| started.elapsed());
+            body.extend_from_slice(&chunk);
+        }
+        let latency = started.elapsed();
         Ok(Reply {
             status,
             headers,
-            body,
-            latency: started.elapsed(),
+            body: String::from_utf8_lossy(&body).into_owned(),
+            latency,
+            first_bytes: first_bytes.unwrap_or(latency),
         })
     }
 }
@@ -170,6 +186,8 @@ pub struct Reply {
     pub body: String,
     /// From sending the request to the end of the reply's body.
     pub latency: Duration,
+    /// From sending the request to the first bytes of the reply's body.
+    pub first_bytes: Duration,
 }
 
 impl Reply {
