@@ -1,11 +1,12 @@
 //! Property tests (a fuzzer on stable Rust) of the prefill rewrite and the decode injection:
 //! arbitrary bytes never panic; for any JSON object, decode gets the client's exact bytes with
-//! only `kv_transfer_params` changed, and prefill gets every limit capped.
+//! only `kv_transfer_params` changed, and prefill gets every limit capped; the scanner's SIMD
+//! mask of string bytes marks exactly what its portable one does.
 //!
 //! `PD_PROPTEST_CASES` sets the number of cases per property (default 2,000).
 
 use pd_filter::api::Api;
-use pd_filter::json::JsonObject;
+use pd_filter::json::{special_mask, special_mask_bytewise, JsonObject};
 use pd_filter::protocol::rewrite::REMOTE_DECODE_REQUEST;
 use pd_filter::protocol::{prepare, read_prefill_answer};
 use proptest::prelude::*;
@@ -133,6 +134,25 @@ proptest! {
             prop_assert_eq!(error.status, 400);
         }
         let _ = read_prefill_answer(Some(200), &body);
+    }
+
+    /// The SIMD mask of the string bytes that need a look (SSE2 here; wasm simd128 is checked
+    /// by the unit tests under `make test-wasm`) against the bytewise one, on text that is
+    /// mostly plain with a few bytes that need a look, from every start.
+    #[test]
+    fn the_simd_mask_marks_the_bytes_the_bytewise_one_does(
+        bytes in prop::collection::vec(
+            prop_oneof![
+                20 => 0x20u8..0x80,
+                1 => prop::sample::select(b"\"\\\x00\x1f\x7f\x80\xc3\xff".to_vec()),
+                1 => any::<u8>(),
+            ],
+            0..300,
+        ),
+    ) {
+        for at in 0..=bytes.len() {
+            prop_assert_eq!(special_mask(&bytes, at), special_mask_bytewise(&bytes, at));
+        }
     }
 
     /// The filter's own JSON scanner against serde_json, on valid objects with a few bytes
