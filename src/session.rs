@@ -57,8 +57,9 @@ pub enum Command {
     ClearRouteCache,
     /// Sends the prefill call; the host reports back with [`Session::on_prefill_dispatched`].
     DispatchPrefill(HttpCall),
-    /// Replaces the buffered request body, `replaced_len` bytes long. The new body always
-    /// fits in the configured limit.
+    /// Replaces the first `replaced_len` bytes of the buffered request body with `body` (the
+    /// whole of it when `replaced_len` is its length). The new body always fits in the
+    /// configured limit.
     ReplaceRequestBody {
         body: Vec<u8>,
         replaced_len: usize,
@@ -622,10 +623,11 @@ impl Session {
                 );
                 let decoded = Metric::Request(prefill.api, Outcome::Decoded);
                 commands.push(Command::Record(decoded));
-                let decode_body = prefill.decode.body_with_kv(&prefill.original, kv);
+                // Usually only the head of the body Envoy holds changes.
+                let edit = prefill.decode.edit_with_kv(&prefill.original, kv);
                 commands.push(Command::ReplaceRequestBody {
-                    body: decode_body,
-                    replaced_len: prefill.original.len(),
+                    body: edit.head,
+                    replaced_len: edit.replaced_len,
                 });
                 commands.push(Command::ResumeRequest);
                 let prefill_time = Some(prefill.elapsed(now));

@@ -206,13 +206,24 @@ proptest! {
         expected.insert("kv_transfer_params".to_owned(), serde_json::from_str(&kv).unwrap());
         prop_assert_eq!(parse_last_wins(&decode), expected);
 
-        // Byte for byte: the output is the input with kv text inserted or swapped in.
+        // Byte for byte: the output is the input with kv text inserted or swapped in: as the
+        // first member where the client sent none, and only the head is written then.
+        let edit = prepared.decode.edit_with_kv(text.as_bytes(), kv.as_bytes());
         let decode_text = String::from_utf8(decode).unwrap();
         if !text.contains("\"kv_transfer_params\"") {
             prop_assert_eq!(decode_text.len(), text.len() + kv.len() + "\"kv_transfer_params\":".len() + usize::from(text.contains(':')));
-            let close = text.rfind('}').unwrap();
-            prop_assert!(decode_text.starts_with(&text[..close]));
-            prop_assert!(decode_text.ends_with(&text[close..]));
+            if text.contains(':') {
+                let open = text.find('{').unwrap() + 1;
+                prop_assert_eq!(edit.replaced_len, open);
+                prop_assert_eq!(
+                    &decode_text,
+                    &format!("{}\"kv_transfer_params\":{kv},{}", &text[..open], &text[open..])
+                );
+            } else {
+                let close = text.rfind('}').unwrap();
+                prop_assert!(decode_text.starts_with(&text[..close]));
+                prop_assert!(decode_text.ends_with(&text[close..]));
+            }
         }
     }
 

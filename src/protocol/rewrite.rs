@@ -1,6 +1,8 @@
 //! What prefill and decode receive: the client's body checked once, then rewritten for
 //! prefill (one token, not streamed, asking for remote decode) and planned for decode (the
-//! client's bytes with prefill's `kv_transfer_params`, sized before it is written).
+//! client's bytes with prefill's `kv_transfer_params`, sized before it is written). Decode's
+//! body is an edit of the client's, which Envoy still holds: usually only its head changes
+//! (prefill's `kv_transfer_params` go in as the first member), so only the head is written.
 
 use crate::api::Api;
 use crate::json::{Edit, JsonErrorKind, JsonObject, Splice};
@@ -51,6 +53,10 @@ pub struct DecodePlan {
     /// The client asked for prompt logprobs: decode on prefill's KV does not get the request
     /// for them, prefill's go into its answer.
     pub prompt_logprobs_from_prefill: bool,
+    /// Where the client's first member may start, in the JSON text (just past the opening
+    /// brace), when prefill's `kv_transfer_params` can go in before it: the client sent
+    /// none, and at least one other member.
+    first_member: Option<usize>,
     /// The client's members, with exactly one `kv_transfer_params`: the slot.
     with_kv: Splice,
     /// The client's members without any `kv_transfer_params`; `None` when the client sent
@@ -64,10 +70,37 @@ impl DecodePlan {
         self.with_kv.len(kv_len)
     }
 
-    /// Decode's body: the client's bytes with `kv_transfer_params` set to prefill's.
+    /// Decode's body as an edit of the client's `original`: the client's bytes with
+    /// `kv_transfer_params` set to prefill's. Where the client sent none, they go in as the
+    /// first member and only the head is written; else the whole body is.
+    pub fn edit_with_kv(&self, original: &[u8], kv_transfer_params: &[u8]) -> BodyEdit {
+        let text = json_text(original, self.json_start);
+        match self.first_member {
+            Some(after_brace) => {
+                let member = KV_TRANSFER_PARAMS.len() + 4 + kv_transfer_params.len();
+                let mut head = Vec::with_capacity(after_brace + member);
+                head.extend_from_slice(text.get(..after_brace).unwrap_or_default());
+                head.push(b'"');
+                head.extend_from_slice(KV_TRANSFER_PARAMS.as_bytes());
+                head.extend_from_slice(b"\":");
+                head.extend_from_slice(kv_transfer_params);
+                head.push(b',');
+                BodyEdit {
+                    head,
+                    replaced_len: self.json_start + after_brace,
+                }
+            }
+            None => BodyEdit {
+                head: self.with_kv.write(text, kv_transfer_params),
+                replaced_len: original.len(),
+            },
+        }
+    }
+
+    /// Decode's body, whole ([`DecodePlan::edit_with_kv`] applied to `original`).
     pub fn body_with_kv(&self, original: &[u8], kv_transfer_params: &[u8]) -> Vec<u8> {
-        self.with_kv
-            .write(json_text(original, self.json_start), kv_transfer_params)
+        self.edit_with_kv(original, kv_transfer_params)
+            .apply(original)
     }
 
     /// Decode's body when it recomputes the prompt: the client's bytes without any
@@ -75,6 +108,26 @@ impl DecodePlan {
     pub fn body_without_kv(&self, original: &[u8]) -> Option<Vec<u8>> {
         let splice = self.without_kv.as_ref()?;
         Some(splice.write(json_text(original, self.json_start), b""))
+    }
+}
+
+/// A new body as an edit of the one Envoy holds: its first `replaced_len` bytes replaced by
+/// `head` (the whole body when `replaced_len` is its length). Envoy does exactly this when
+/// its buffer is set from offset 0, so only `head` crosses from wasm to Envoy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BodyEdit {
+    pub head: Vec<u8>,
+    pub replaced_len: usize,
+}
+
+impl BodyEdit {
+    /// The body that results from applying the edit to `original`.
+    pub fn apply(&self, original: &[u8]) -> Vec<u8> {
+        let rest = original.get(self.replaced_len..).unwrap_or_default();
+        let mut body = Vec::with_capacity(self.head.len() + rest.len());
+        body.extend_from_slice(&self.head);
+        body.extend_from_slice(rest);
+        body
     }
 }
 
@@ -128,9 +181,14 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     } else {
         &[(KV_TRANSFER_PARAMS, Edit::Slot)]
     };
+    // The head edit leaves every client member as it is: not when one must go (the client's
+    // own kv_transfer_params, or prompt_logprobs that decode on prefill's KV cannot compute).
+    let first_member = (!has_client_kv && !asks_prompt_logprobs && !object.members().is_empty())
+        .then(|| object.open_brace() + 1);
     let decode = DecodePlan {
         json_start,
         prompt_logprobs_from_prefill: asks_prompt_logprobs,
+        first_member,
         with_kv: object.splice(kv_edit(Edit::Slot), append_kv),
         without_kv: has_client_kv.then(|| object.splice(kv_edit(Edit::Remove), &[])),
     };
@@ -364,11 +422,29 @@ mod tests {
     fn decode_body_keeps_every_other_byte() {
         let original = "{\"prompt\": \"caf\\u00e9 \u{1F600}\",\n \"max_tokens\": 123456789012345678901234567890, \"temperature\": 1.50e0, \"stream\": true }";
         let decode = decode_with(original.as_bytes(), br#"{"k":1}"#);
-        let expected = format!(
-            "{},\"kv_transfer_params\":{{\"k\":1}}}}",
-            &original[..original.len() - 1]
-        );
+        let expected = format!("{{\"kv_transfer_params\":{{\"k\":1}},{}", &original[1..]);
         assert_eq!(String::from_utf8(decode).unwrap(), expected);
+    }
+
+    #[test]
+    fn decode_gets_a_new_head_only_where_the_client_sent_no_kv_transfer_params() {
+        let kv = br#"{"k":1}"#;
+        let original = b"  {\"prompt\":\"x\"} ";
+        let prepared = prepare(Api::Completions, original).unwrap();
+        let edit = prepared.decode.edit_with_kv(original, kv);
+        assert_eq!(edit.head, br#"  {"kv_transfer_params":{"k":1},"#);
+        assert_eq!(edit.replaced_len, 3);
+        assert_eq!(
+            edit.apply(original),
+            br#"  {"kv_transfer_params":{"k":1},"prompt":"x"} "#
+        );
+        // With the client's own kv_transfer_params, or no member at all: the whole body.
+        for original in [&br#"{"kv_transfer_params":0,"prompt":"x"}"#[..], b" {} "] {
+            let prepared = prepare(Api::Completions, original).unwrap();
+            let edit = prepared.decode.edit_with_kv(original, kv);
+            assert_eq!(edit.replaced_len, original.len());
+            assert_eq!(edit.head.len(), prepared.decode.len_with_kv(kv.len()));
+        }
     }
 
     #[test]
@@ -406,10 +482,12 @@ mod tests {
         let prepared = prepare(Api::Completions, original).unwrap();
         let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
         assert_eq!(prefill["max_tokens"], 1);
-        let decode = prepared.decode.body_with_kv(original, b"{}");
+        let edit = prepared.decode.edit_with_kv(original, b"{}");
+        assert_eq!(edit.replaced_len, 4);
+        let decode = edit.apply(original);
         assert_eq!(
             decode,
-            br#"{"prompt":"x","max_tokens":9,"kv_transfer_params":{}}"#
+            br#"{"kv_transfer_params":{},"prompt":"x","max_tokens":9}"#
         );
         assert_eq!(prepared.decode.len_with_kv(2), decode.len());
     }

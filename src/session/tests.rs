@@ -78,9 +78,14 @@ fn call_header<'a>(call: &'a HttpCall, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
-fn replaced_body(commands: &[Command]) -> Option<Value> {
+/// The request body after the replacement among `commands`, if any, made to `original`.
+fn replaced_body(original: &str, commands: &[Command]) -> Option<Value> {
     commands.iter().find_map(|c| match c {
-        Command::ReplaceRequestBody { body, .. } => Some(serde_json::from_slice(body).unwrap()),
+        Command::ReplaceRequestBody { body, replaced_len } => {
+            let mut whole = body.clone();
+            whole.extend_from_slice(&original.as_bytes()[*replaced_len..]);
+            Some(serde_json::from_slice(&whole).unwrap())
+        }
         _ => None,
     })
 }
@@ -140,7 +145,7 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
 
     assert!(session.on_prefill_dispatched(Some(7), at(1)).is_empty());
     let commands = session.on_prefill_answer(7, Some(200), prefill_ok().as_bytes(), at(40));
-    let decode = replaced_body(&commands).unwrap();
+    let decode = replaced_body(CHAT, &commands).unwrap();
     let expected: Value = serde_json::from_str(KV).unwrap();
     assert_eq!(decode["kv_transfer_params"], expected);
     assert_eq!(decode["max_tokens"], 50);
@@ -277,7 +282,7 @@ fn a_decode_body_that_would_not_fit_is_413_and_never_written() {
     s.on_prefill_dispatched(Some(1), at(0));
     let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert_eq!(reply(&commands).0, 413);
-    assert!(replaced_body(&commands).is_none());
+    assert!(replaced_body(&body, &commands).is_none());
     assert!(!commands.contains(&Command::ResumeRequest));
     // Prefill's KV will never be read: it is released.
     released(&commands);
@@ -507,7 +512,7 @@ fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
     s.on_prefill_dispatched(Some(1), at(0));
     let commands = s.on_prefill_answer(1, Some(200), br#"{"id":"p"}"#, at(3));
     assert_eq!(
-        replaced_body(&commands).unwrap(),
+        replaced_body(body, &commands).unwrap(),
         serde_json::json!({"prompt":"x"})
     );
     assert_eq!(commands.last(), Some(&Command::ResumeRequest));
@@ -526,7 +531,7 @@ fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
     s.on_prefill_dispatched(Some(1), at(0));
     let commands = s.on_prefill_answer(1, Some(503), b"no healthy upstream", at(3));
     assert_eq!(
-        replaced_body(&commands).unwrap(),
+        replaced_body(body, &commands).unwrap(),
         serde_json::json!({"prompt":"x"})
     );
     assert!(commands.contains(&Command::Record(Metric::DecodeOnlyFallback)));
@@ -536,7 +541,7 @@ fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
     s.on_prefill_dispatched(Some(1), at(0));
     let commands = s.on_prefill_answer(1, Some(200), b"{}", at(3));
-    assert!(replaced_body(&commands).is_none());
+    assert!(replaced_body(r#"{"prompt":"x"}"#, &commands).is_none());
     assert_eq!(commands.last(), Some(&Command::ResumeRequest));
 
     // A client error is the client's, whatever the policy; `fail` answers 502.
@@ -673,7 +678,7 @@ fn the_reached_host_replaces_a_loopback_remote_host() {
     s.on_prefill_dispatched(Some(1), at(0));
     let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(1));
     assert_eq!(
-        replaced_body(&commands).unwrap()["kv_transfer_params"]["remote_host"],
+        replaced_body(r#"{"prompt":"x"}"#, &commands).unwrap()["kv_transfer_params"]["remote_host"],
         "10.0.0.9"
     );
 }
@@ -684,11 +689,11 @@ fn other_generation_apis_lose_client_kv_transfer_params() {
     let step = s.on_request_headers(&post("/v1/messages"), false);
     assert_eq!(step.flow, Flow::Continue);
     assert_eq!(s.on_request_body(10, true), BodyStep::ReadBody);
-    let body = br#"{"model":"m","kv_transfer_params":{"remote_host":"6.6.6.6"}}"#.to_vec();
-    let step = s.on_request_complete(body, at(0));
+    let body = r#"{"model":"m","kv_transfer_params":{"remote_host":"6.6.6.6"}}"#;
+    let step = s.on_request_complete(body.as_bytes().to_vec(), at(0));
     assert_eq!(step.flow, Flow::Continue);
     assert_eq!(
-        replaced_body(&step.commands).unwrap(),
+        replaced_body(body, &step.commands).unwrap(),
         serde_json::json!({"model":"m"})
     );
 

@@ -215,14 +215,20 @@ pub fn check_decode(path: &str, client: &[u8], decode: &RecordedRequest) -> Resu
         .filter(|(key, _)| key == KV)
         .map(|(_, raw)| range_in(client_text, raw))
         .collect();
-    // Where a new member goes: before the closing brace, after a comma if there are others.
-    let brace = client_text.rfind('}').unwrap_or(client_text.len());
-    let member = format!("{}\"{KV}\":", if sent.is_empty() { "" } else { "," });
-    // The client's body with `kv` where its kv_transfer_params stood, or added at the end.
+    // Where a new member goes: first, right after the opening brace and followed by a comma
+    // (only the head of the body changes); into an empty object, before its closing brace.
+    let (at, member, after) = if sent.is_empty() {
+        let brace = client_text.rfind('}').unwrap_or(client_text.len());
+        (brace, format!("\"{KV}\":"), "")
+    } else {
+        let brace = client_text.find('{').map_or(0, |at| at + 1);
+        (brace, format!("\"{KV}\":"), ",")
+    };
+    // The client's body with `kv` where its kv_transfer_params stood, or added.
     let splice = |kv: &str| -> String {
         if existing.is_empty() {
-            let (head, tail) = client_text.split_at(brace);
-            return format!("{head}{member}{kv}{tail}");
+            let (head, tail) = client_text.split_at(at);
+            return format!("{head}{member}{kv}{after}{tail}");
         }
         let mut out = String::new();
         let mut cursor = 0;
@@ -245,7 +251,7 @@ pub fn check_decode(path: &str, client: &[u8], decode: &RecordedRequest) -> Resu
     };
     let start = existing
         .first()
-        .map_or(brace + member.len(), |range| range.start);
+        .map_or(at + member.len(), |range| range.start);
     let kv_text = decode_text
         .get(start..start + added / copies)
         .ok_or_else(|| format!("decode body too short: {decode_text}"))?;
