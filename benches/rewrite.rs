@@ -1,10 +1,12 @@
 //! Native micro-benchmark of the filter's per-request work on the body, for the three body
 //! sizes of `make bench` (the same bytes: bench/body.rs):
 //!
+//! - `scan`: validate the client body and index its members (`JsonObject::parse`), alone;
 //! - `prepare`: validate the client body and write the prefill request (the rewrite);
-//! - `inject`: splice prefill's `kv_transfer_params` into the original body (`DecodePlan::body_with_kv`);
+//! - `inject`: decode's body as an edit of the original (`DecodePlan::edit_with_kv`: only the
+//!   head is written when the client sent no `kv_transfer_params`, as here);
 //! - `pd_request`: all the filter does for one request: `prepare`, read the prefill answer
-//!   (`read_prefill_answer`), `DecodePlan::body_with_kv`.
+//!   (`read_prefill_answer`), `DecodePlan::edit_with_kv`.
 //!
 //! Throughput is per byte of client body. `cargo bench --bench rewrite`; scripts/bench.sh
 //! runs it with short timings and reads criterion's estimates to print MB/s.
@@ -13,6 +15,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use pd_filter::api::Api;
+use pd_filter::json::JsonObject;
 use pd_filter::protocol::{prepare, read_prefill_answer, PrefillAnswer};
 
 #[path = "../bench/body.rs"]
@@ -39,6 +42,9 @@ fn rewrite(c: &mut Criterion) {
 
         let mut group = c.benchmark_group(label);
         group.throughput(Throughput::Bytes(size as u64));
+        group.bench_function("scan", |b| {
+            b.iter(|| JsonObject::parse(black_box(&body)).is_ok())
+        });
         group.bench_function("prepare", |b| {
             b.iter(|| prepare(Api::ChatCompletions, black_box(&body)))
         });
@@ -46,7 +52,7 @@ fn rewrite(c: &mut Criterion) {
             b.iter(|| {
                 prepared
                     .decode
-                    .body_with_kv(black_box(&body), black_box(kv))
+                    .edit_with_kv(black_box(&body), black_box(kv))
             })
         });
         group.bench_function("pd_request", |b| {
@@ -59,7 +65,7 @@ fn rewrite(c: &mut Criterion) {
                     PrefillAnswer::KvTransferParams(kv) => kv,
                     _ => unreachable!(),
                 };
-                prepared.decode.body_with_kv(&body, kv)
+                prepared.decode.edit_with_kv(&body, kv)
             })
         });
         group.finish();

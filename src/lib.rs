@@ -33,3 +33,5 @@ pub mod session;
 mod filter;
 #[cfg(all(target_arch = "wasm32", not(test)))]
 mod stats;
+#[cfg(test)]
+mod timing;

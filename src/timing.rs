@@ -1,0 +1,102 @@
+//! A timing harness for the per-request work on the body that runs the same code natively and
+//! as wasm32 under Node's WASI (as `make test-wasm` runs the unit tests), so that the wasm
+//! build can be compared with native on the same machine: `make bench-wasm`, or
+//! `cargo test --release -p pd-filter --lib timing -- --ignored --nocapture`.
+//!
+//! Each line it prints: `TIMING <native|wasm32> <body> <step> <bytes> <ns per call>`, the
+//! median of 7 batches of about 40 ms each, on the bodies of `make bench` (bench/body.rs).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use crate::api::Api;
+use crate::json::JsonObject;
+use crate::protocol::{prepare, read_prefill_answer, PrefillAnswer};
+
+#[path = "../bench/body.rs"]
+mod body;
+
+/// Median nanoseconds per call of `f`.
+fn time(mut f: impl FnMut()) -> f64 {
+    // Calibrate: enough calls for a batch of about 40 ms.
+    let mut calls = 1u32;
+    loop {
+        let start = Instant::now();
+        for _ in 0..calls {
+            f();
+        }
+        if start.elapsed() >= Duration::from_millis(40) || calls >= 1 << 24 {
+            break;
+        }
+        calls *= 2;
+    }
+    let mut batches: Vec<f64> = (0..7)
+        .map(|_| {
+            let start = Instant::now();
+            for _ in 0..calls {
+                f();
+            }
+            start.elapsed().as_nanos() as f64 / f64::from(calls)
+        })
+        .collect();
+    batches.sort_by(f64::total_cmp);
+    batches[batches.len() / 2]
+}
+
+/// One timed step: its name and the work.
+type Step<'a> = (&'static str, Box<dyn FnMut() + 'a>);
+
+#[test]
+#[ignore = "timing, not a test: make bench-wasm"]
+fn timing() {
+    let target = if cfg!(target_arch = "wasm32") {
+        "wasm32"
+    } else {
+        "native"
+    };
+    let kv = match read_prefill_answer(Some(200), body::PREFILL_ANSWER) {
+        PrefillAnswer::KvTransferParams(kv) => kv,
+        other => panic!("the bench prefill answer has no kv_transfer_params: {other:?}"),
+    };
+    for &(label, size) in body::SIZES {
+        let body = body::chat_body(size);
+        let prepared = prepare(Api::ChatCompletions, &body).unwrap();
+        let steps: [Step; 4] = [
+            (
+                "scan",
+                Box::new(|| {
+                    black_box(JsonObject::parse(black_box(&body)).is_ok());
+                }),
+            ),
+            (
+                "prepare",
+                Box::new(|| {
+                    black_box(prepare(Api::ChatCompletions, black_box(&body)).is_ok());
+                }),
+            ),
+            (
+                "inject",
+                Box::new(|| {
+                    black_box(prepared.decode.edit_with_kv(black_box(&body), kv));
+                }),
+            ),
+            (
+                "pd_request",
+                Box::new(|| {
+                    let prepared = prepare(Api::ChatCompletions, black_box(&body)).unwrap();
+                    black_box(&prepared.prefill_body);
+                    let PrefillAnswer::KvTransferParams(kv) =
+                        read_prefill_answer(Some(200), black_box(body::PREFILL_ANSWER))
+                    else {
+                        unreachable!()
+                    };
+                    black_box(prepared.decode.edit_with_kv(&body, kv));
+                }),
+            ),
+        ];
+        for (step, mut f) in steps {
+            let ns = time(&mut f);
+            println!("TIMING {target} {label} {step} {size} {ns:.0}");
+        }
+    }
+}
