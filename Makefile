@@ -13,7 +13,7 @@ ENVOY ?= $(shell command -v envoy 2>/dev/null || echo $(CURDIR)/$(VENV)/bin/envo
 # (no Envoy) and the load test (its own tier).
 ENVOY_TESTS := $(filter-out properties load,$(basename $(notdir $(wildcard tests/*.rs))))
 
-.PHONY: build envoy python-deps run test test-fast test-envoy test-load test-wasm test-compose lint bench clean image help
+.PHONY: build envoy python-deps run test test-fast test-envoy test-load test-wasm test-compose lint bench bench-wasm clean image help
 
 build: ## Build the filter: target/wasm32-wasip1/release/pd_filter.wasm
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
@@ -69,9 +69,16 @@ test-wasm: ## The library's unit tests compiled to wasm32-wasip1, run under Node
 test-compose: ## docker-compose.yml run for real: images, the three APIs, OCI layout (Docker, root)
 	ENVOY="$(ENVOY)" scripts/test-compose.sh
 
-# Not part of `make test`: about 8 minutes of loopback load (scripts/bench.sh, docs/performance.md).
-bench: build envoy ## Benchmark on loopback, about 8 minutes (docs/performance.md)
+# Not part of `make test`: about 15 minutes of loopback load (scripts/bench.sh, docs/performance.md).
+bench: build envoy ## Benchmark on loopback against vllm-router, about 15 minutes (docs/performance.md)
 	ENVOY="$(ENVOY)" scripts/bench.sh
+
+# The same timing harness (src/timing.rs) natively and as wasm32 under Node's WASI, optimized.
+bench-wasm: ## Time the body rewrite natively and as wasm32 under Node (src/timing.rs)
+	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
+	cargo test --release -p pd-filter --lib timing -- --ignored --nocapture --test-threads 1
+	CARGO_TARGET_WASM32_WASIP1_RUNNER="node --no-warnings $(CURDIR)/scripts/wasi-runner.mjs" \
+		cargo test --release --target $(WASM_TARGET) -p pd-filter --lib timing -- --ignored --nocapture --test-threads 1
 
 lint: ## rustfmt check and clippy (native, and the wasm32 library) with warnings denied
 	cargo fmt --all -- --check

@@ -15,7 +15,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-TARGETS = [("direct", "backend directly"), ("plain", "Envoy, plain route"), ("filter", "Envoy + pd-filter")]
+TARGETS = [("direct", "backend directly"), ("plain", "Envoy, plain route"), ("filter", "Envoy + pd-filter"),
+           ("router", "vllm-router (P/D)")]
 CPU_TARGET = {"1KB": 1.25, "64KB": 1.25, "1MB": 1.5}
 MIB = 1024 * 1024
 
@@ -47,9 +48,9 @@ def median(values):
 
 
 def cell(values, fmt):
-    """Every repetition's value, then the median when there are more than two."""
+    """Every repetition's value, then their median when there are several."""
     shown = " / ".join(fmt.format(v) for v in values)
-    if len(values) > 2:
+    if len(values) > 1:
         shown += " (med " + fmt.format(median(values)) + ")"
     return shown or "-"
 
@@ -62,7 +63,8 @@ def report(directory):
             if key not in ("phase", "target", "size"):
                 row[key] = float(value)
         row["rps"] = row["requests"] / (row["duration_us"] / 1e6) if row["duration_us"] else 0.0
-        row["cpu_per_1000"] = row["envoy_cpu_s"] * 1000 / row["requests"] if row["requests"] else float("nan")
+        proxy_cpu = row.get("proxy_cpu_s", row.get("envoy_cpu_s", 0.0))  # older files: envoy_cpu_s
+        row["cpu_per_1000"] = proxy_cpu * 1000 / row["requests"] if row["requests"] else float("nan")
         row["backend_cpu_per_1000"] = (
             row["backend_cpu_s"] * 1000 / row["requests"] if row["requests"] else float("nan")
         )
@@ -81,8 +83,8 @@ def report(directory):
     print("## pd-filter benchmark (`make bench`)\n")
     for line in setup.splitlines():
         print(f"- {line}")
-    print("- each cell: the value of every repetition (run 1 / run 2 / …); CPU is Envoy's whole process"
-          " (utime+stime from /proc) over the 32-connection run\n")
+    print("- each cell: the value of every repetition (run 1 / run 2 / …) and their median; CPU is the proxy's whole"
+          " process, Envoy's or vllm-router's (utime+stime of all its threads from /proc), over the 32-connection run\n")
 
     # Native micro-benchmark.
     micro = defaultdict(list)
@@ -92,18 +94,38 @@ def report(directory):
             micro[(size, fn)].append(int(size_bytes) / float(ns) * 1000.0)  # bytes/ns -> MB/s
     if micro:
         print("### Native rewrite and injection (criterion, MB/s of client body, 1 MB = 10^6 B)\n")
-        print("| body | prepare (parse + prefill rewrite) | inject (decode body) | whole request (prepare + read prefill answer + inject) |")
-        print("| --- | --- | --- | --- |")
+        print("| body | scan (validate + index) | prepare (scan + prefill rewrite) | inject (decode body edit) | whole request (prepare + read prefill answer + inject) |")
+        print("| --- | --- | --- | --- | --- |")
         for size in [s for s in ("1KB", "64KB", "1MB") if (s, "prepare") in micro]:
-            print(f"| {size} | {cell(micro[(size, 'prepare')], '{:,.0f}')} | "
+            print(f"| {size} | {cell(micro.get((size, 'scan'), []), '{:,.0f}')} | {cell(micro[(size, 'prepare')], '{:,.0f}')} | "
                   f"{cell(micro[(size, 'inject')], '{:,.0f}')} | {cell(micro[(size, 'pd_request')], '{:,.0f}')} |")
         print()
 
-    print(f"### Loopback load (wrk; latency in ms; CPU in Envoy CPU-seconds per 1,000 requests)\n")
+    # The same code natively and as wasm32 under Node (src/timing.rs).
+    timing = defaultdict(list)
+    timing_path = out / "timing.tsv"
+    if timing_path.exists():
+        for rep, target, size, step, size_bytes, ns in csv.reader(open(timing_path), delimiter="\t"):
+            timing[(target, size, step)].append(int(size_bytes) / float(ns) * 1000.0)
+    if timing:
+        print("### Native and wasm32 (src/timing.rs; wasm32 under Node's WASI, V8; MB/s of client body; wasm/native time)\n")
+        print("| body | step | native | wasm32 | wasm32 time / native time |")
+        print("| --- | --- | --- | --- | --- |")
+        for size in ("1KB", "64KB", "1MB"):
+            for step in ("scan", "prepare", "inject", "pd_request"):
+                nat, wasm = timing.get(("native", size, step)), timing.get(("wasm32", size, step))
+                if not nat or not wasm:
+                    continue
+                ratios = [n / w for n, w in zip(nat, wasm)]
+                print(f"| {size} | {step} | {cell(nat, '{:,.0f}')} | {cell(wasm, '{:,.0f}')} | {cell(ratios, '{:.2f}')} |")
+        print()
+
+    targets = [(t, n) for t, n in TARGETS if any(r["target"] == t for r in rows)]
+    print(f"### Loopback load (wrk; latency in ms; CPU in the proxy's CPU-seconds per 1,000 requests)\n")
     print(f"| body | target | 1 conn p50 | 1 conn p99 | {conns} conn req/s | {conns} conn p99 | {conns} conn CPU-s/1000 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for size in sizes:
-        for target, name in TARGETS:
+        for target, name in targets:
             cpu = "-" if target == "direct" else cell(pick("c32", target, size, "cpu_per_1000"), "{:.3f}")
             print(f"| {size} | {name} | {cell([v / 1000 for v in pick('c1', target, size, 'p50_us')], '{:.2f}')} "
                   f"| {cell([v / 1000 for v in pick('c1', target, size, 'p99_us')], '{:.2f}')} "
@@ -127,16 +149,39 @@ def report(directory):
         print(f"| {size} | {cell(ratios, '{:.2f}')} | <= {target} | {met} | {cell(added, '{:.2f}')} | {cell(beyond, '{:.2f}')} |")
     print()
 
+    # pd-filter against vllm-router, both doing P/D against the same backend.
+    if any(t == "router" for t, _ in targets):
+        print("### pd-filter / vllm-router (ratios within each repetition, then their median)\n")
+        print("Below 1 is better for pd-filter in every column but req/s, where above 1 is.\n")
+        print(f"| body | CPU per request | {conns} conn req/s | {conns} conn p99 | 1 conn p50 | 1 conn p99 | pd-filter ahead on all five |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for size in sizes:
+            columns = [("c32", "cpu_per_1000", False), ("c32", "rps", True), ("c32", "p99_us", False),
+                       ("c1", "p50_us", False), ("c1", "p99_us", False)]
+            shown, ahead = [], True
+            for phase, key, higher_is_better in columns:
+                ours, theirs = pick(phase, "filter", size, key), pick(phase, "router", size, key)
+                ratios = [o / t for o, t in zip(ours, theirs) if t > 0]
+                shown.append(cell(ratios, "{:.2f}"))
+                if not ratios:
+                    ahead = False
+                elif higher_is_better:
+                    ahead = ahead and median(ratios) > 1
+                else:
+                    ahead = ahead and median(ratios) < 1
+            print(f"| {size} | {' | '.join(shown)} | {'yes' if ahead else 'NO'} |")
+        print()
+
     # Sanity: errors and the prefill/decode counts seen by the backend.
     problems = []
     for row in rows:
         if row["errors"] > 0:
             problems.append(f"{row['phase']} {row['target']} {row['size']} c{int(row['conns'])}: {int(row['errors'])} errors")
-        if row["target"] == "filter" and row["phase"] != "warmup":
+        if row["target"] in ("filter", "router") and row["phase"] != "warmup":
             slack = row["conns"] + 1
             if (abs(row["prefill"] - row["requests"]) > slack or abs(row["decode_kv"] - row["requests"]) > slack
                     or row["decode_plain"] > 0):
-                problems.append(f"{row['phase']} filter {row['size']} c{int(row['conns'])}: {int(row['requests'])} requests, "
+                problems.append(f"{row['phase']} {row['target']} {row['size']} c{int(row['conns'])}: {int(row['requests'])} requests, "
                                 f"backend saw {int(row['prefill'])} prefill, {int(row['decode_kv'])} decode with kv, "
                                 f"{int(row['decode_plain'])} without")
     print("### Checks\n")
@@ -144,8 +189,8 @@ def report(directory):
         for p in problems:
             print(f"- PROBLEM: {p}")
     else:
-        print("- no errors (non-2xx, resets, timeouts) in any run; through the filter the backend saw one prefill and"
-              " one decode carrying prefill's kv_transfer_params per request")
+        print("- no errors (non-2xx, resets, timeouts) in any run; through the filter (and vllm-router) the backend saw"
+              " one prefill and one decode carrying prefill's kv_transfer_params per request")
     backend = [r["backend_cpu_per_1000"] for r in rows if r["phase"] == "c32" and r["target"] == "direct"]
     if backend:
         by_size = ", ".join(
@@ -174,6 +219,9 @@ def report(directory):
         if hwm_plain and hwm_filter:
             print(f"- Envoy peak RSS during the 1 MB, {conns}-connection runs: plain {cell([v / 1024 for v in hwm_plain], '{:.0f}')} MiB,"
                   f" filter {cell([v / 1024 for v in hwm_filter], '{:.0f}')} MiB")
+        hwm_router = pick("c32", "router", "1MB", "hwm_kb")
+        if hwm_router:
+            print(f"- vllm-router peak RSS during the 1 MB, {conns}-connection runs: {cell([v / 1024 for v in hwm_router], '{:.0f}')} MiB")
         soak = [k for k in mem if k.startswith("soak_") and k != "soak_before"]
         if "soak_before" in mem and soak:
             soak_rows = [r for r in rows if r["phase"] == "soak"]
@@ -191,10 +239,28 @@ def report(directory):
     print("### Against the targets\n")
     for size, ratio, target, met in verdicts:
         print(f"- CPU per P/D request at {size}: {ratio:.2f} x the floor (target <= {target}): {'met' if met == 'yes' else 'MISSED'}")
-    if micro.get(("1MB", "pd_request")):
-        rate = median(micro[("1MB", "pd_request")])
-        print(f"- native rewrite + injection on a 1 MB body: {rate:,.0f} MB/s (target >= 1,000): "
-              f"{'met' if rate >= 1000 else 'MISSED'}")
+    for step, name in (("scan", "scan"), ("pd_request", "scan, rewrite and injection (whole request)")):
+        if micro.get(("1MB", step)):
+            rate = median(micro[("1MB", step)])
+            print(f"- native {name} of a 1 MB body: {rate:,.0f} MB/s (target >= 4,000): "
+                  f"{'met' if rate >= 4000 else 'MISSED'}")
+    if timing.get(("native", "1MB", "pd_request")) and timing.get(("wasm32", "1MB", "pd_request")):
+        ratio = median([n / w for n, w in zip(timing[("native", "1MB", "pd_request")],
+                                               timing[("wasm32", "1MB", "pd_request")])])
+        print(f"- wasm32 (Node) whole request on a 1 MB body: {ratio:.2f} x native time (target <= 1.5): "
+              f"{'met' if ratio <= 1.5 else 'MISSED'}")
+    router_rows = [r for r in rows if r["target"] == "router"]
+    if router_rows:
+        for size in sizes:
+            checks = []
+            for phase, key, higher in (("c32", "cpu_per_1000", False), ("c32", "rps", True), ("c32", "p99_us", False),
+                                       ("c1", "p50_us", False), ("c1", "p99_us", False)):
+                ours, theirs = pick(phase, "filter", size, key), pick(phase, "router", size, key)
+                ratios = [o / t for o, t in zip(ours, theirs) if t > 0]
+                ok = bool(ratios) and (median(ratios) > 1 if higher else median(ratios) < 1)
+                checks.append(ok)
+            print(f"- ahead of vllm-router at {size} (CPU, req/s, p99 at {conns} connections; p50, p99 at 1): "
+                  f"{'yes' if all(checks) else 'NO'} ({sum(checks)} of {len(checks)})")
 
 
 def main():

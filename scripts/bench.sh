@@ -3,27 +3,31 @@
 #
 #   1. native micro-benchmark of the rewrite and the injection (benches/rewrite.rs), MB/s;
 #   2. one bench backend (mock-vllm/src/bin/bench-backend.rs: reads the whole body, then
-#      answers as prefill or decode) and one Envoy (bench/envoy-bench.yaml) with a plain-route
-#      listener and a filter listener, both routed to that backend;
+#      answers as prefill or decode; a decode port and a prefill port), one Envoy
+#      (bench/envoy-bench.yaml) with a plain-route listener and a filter listener, and
+#      vllm-router (PyPI `vllm-router`, in its own venv) in P/D mode, all routed to that backend;
 #   3. for each body size (1 KB, 64 KB, 1 MB) and each target (the backend directly, Envoy's
-#      plain route, Envoy with the filter): wrk at 1 connection (p50, p99) and at 32
-#      connections (requests/s, p99, Envoy CPU seconds per 1,000 requests from /proc);
-#      all of it BENCH_REPS times, interleaved, so ratios are taken within one repetition;
+#      plain route, Envoy with the filter, vllm-router): wrk at 1 connection (p50, p99) and at
+#      32 connections (requests/s, p99, CPU seconds per 1,000 requests of the proxy process,
+#      Envoy or vllm-router, from /proc); all of it BENCH_REPS times, interleaved, so ratios are
+#      taken within one repetition and medians over the repetitions;
 #   4. memory: Envoy's RSS and the filter's wasm linear memory around a 1 MB load, then
 #      before and after a long run (BENCH_SOAK_SECS);
 #   5. the table and the ratios against the targets (bench/report.py).
 #
-# Environment (all optional): ENVOY (binary), BENCH_REPS (2), BENCH_C1_SECS (3),
+# Environment (all optional): ENVOY (binary), BENCH_REPS (3), BENCH_C1_SECS (3),
 # BENCH_C32_SECS (5), BENCH_SOAK_SECS (120), BENCH_CONNS (32), BENCH_CONCURRENCY (Envoy
 # workers, 1), BENCH_PIN (1: Envoy on CPU 1, backend and wrk on CPU 0), BENCH_MICRO (1),
 # BENCH_SIZES ("1KB:1024 64KB:65536 1MB:1048576"), BENCH_PORT_BASE (19000), BENCH_OUT
-# (target/bench). Raw figures land in $BENCH_OUT/*.tsv.
+# (target/bench), BENCH_ROUTER (1: measure vllm-router too), BENCH_ROUTER_VERSION (0.1.17),
+# BENCH_VENV (target/bench-venv: where pip installs vllm-router). Raw figures land in
+# $BENCH_OUT/*.tsv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 
 envoy_bin=${ENVOY:-$(command -v envoy || echo "$root/.venv/bin/envoy")}
-reps=${BENCH_REPS:-2}
+reps=${BENCH_REPS:-3}
 c1_secs=${BENCH_C1_SECS:-3}
 c32_secs=${BENCH_C32_SECS:-5}
 soak_secs=${BENCH_SOAK_SECS:-120}
@@ -34,13 +38,19 @@ micro=${BENCH_MICRO:-1}
 sizes=${BENCH_SIZES:-"1KB:1024 64KB:65536 1MB:1048576"}
 port_base=${BENCH_PORT_BASE:-19000}
 out=${BENCH_OUT:-$root/target/bench}
+router=${BENCH_ROUTER:-1}
+router_version=${BENCH_ROUTER_VERSION:-0.1.17}
+venv=${BENCH_VENV:-$root/target/bench-venv}
 wasm=$root/target/wasm32-wasip1/release/pd_filter.wasm
 path=/v1/chat/completions
 
 plain_port=$port_base
 filter_port=$((port_base + 1))
+router_port=$((port_base + 2))
 backend_port=$((port_base + 100))
+prefill_port=$((port_base + 101))
 admin_port=$((port_base + 901))
+router_metrics_port=$((port_base + 902))
 
 say() { printf '[bench %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { say "error: $*"; exit 1; }
@@ -57,7 +67,8 @@ fi
 [ -x "$envoy_bin" ] || die "no envoy at $envoy_bin (make envoy)"
 [ -f "$wasm" ] || die "no filter at $wasm (make build)"
 command -v python3 >/dev/null || die "python3 is needed for the report"
-for port in $plain_port $filter_port $backend_port $admin_port; do
+for port in $plain_port $filter_port $router_port $backend_port $prefill_port $admin_port \
+    $router_metrics_port; do
     if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
         die "port $port is in use (set BENCH_PORT_BASE)"
     fi
@@ -65,7 +76,7 @@ done
 if [ "$pin" = 1 ] && [ "$(nproc)" -ge 2 ] && command -v taskset >/dev/null; then
     on_envoy_cpu=(taskset -c 1)
     on_load_cpu=(taskset -c 0)
-    placement="Envoy pinned to CPU 1; backend and wrk pinned to CPU 0"
+    placement="Envoy and vllm-router pinned to CPU 1; backend and wrk pinned to CPU 0"
 else
     on_envoy_cpu=()
     on_load_cpu=()
@@ -74,6 +85,26 @@ fi
 
 rm -rf "$out"
 mkdir -p "$out"
+
+# vllm-router, the peer: its own venv, so that nothing else on the machine changes. When it
+# cannot be installed or started, the bench goes on without it and the report says why.
+router_note=""
+router_bin=$venv/bin/vllm-router
+if [ "$router" = 1 ]; then
+    if ! "$venv/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("vllm-router") != sys.argv[1])' \
+        "$router_version" 2>/dev/null; then
+        say "installing vllm-router $router_version into $venv"
+        { [ -x "$venv/bin/python" ] || python3 -m venv "$venv"; } >"$out/router-install.log" 2>&1 &&
+            "$venv/bin/pip" install --quiet "vllm-router==$router_version" >>"$out/router-install.log" 2>&1 ||
+            router_note="vllm-router $router_version could not be installed: $(tail -n1 "$out/router-install.log")"
+    fi
+    if [ -z "$router_note" ] && ! [ -x "$router_bin" ]; then
+        router_note="no vllm-router executable in $venv/bin"
+    fi
+else
+    router_note="not measured (BENCH_ROUTER=0)"
+fi
+[ -z "$router_note" ] || say "vllm-router: $router_note"
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 say "building the bench backend"
 cargo build --quiet --release -p mock-vllm --bin bench-backend
@@ -81,6 +112,7 @@ backend_bin=$root/target/release/bench-backend
 
 # --- 1. native micro-benchmark ----------------------------------------------------------------
 : >"$out/micro.tsv"
+: >"$out/timing.tsv"
 if [ "$micro" = 1 ]; then
     for rep in $(seq 1 "$reps"); do
         say "micro-benchmark, repetition $rep/$reps (cargo bench --bench rewrite)"
@@ -90,12 +122,26 @@ if [ "$micro" = 1 ]; then
         for entry in $sizes; do
             label=${entry%%:*}
             bytes=${entry##*:}
-            for fn in prepare inject pd_request; do
+            for fn in scan prepare inject pd_request; do
                 est=$root/target/criterion/$label/$fn/new/estimates.json
                 [ -f "$est" ] || continue
                 ns=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["median"]["point_estimate"])' "$est")
                 printf '%s\t%s\t%s\t%s\t%s\n' "$rep" "$label" "$bytes" "$fn" "$ns" >>"$out/micro.tsv"
             done
+        done
+        # The same work natively and as wasm32 under Node's WASI (src/timing.rs).
+        say "native and wasm32 timing, repetition $rep/$reps (src/timing.rs)"
+        for runner in native wasm32; do
+            if [ "$runner" = native ]; then
+                cmd=(cargo test --release -p pd-filter --lib timing)
+            else
+                cmd=(env "CARGO_TARGET_WASM32_WASIP1_RUNNER=node --no-warnings $root/scripts/wasi-runner.mjs"
+                    cargo test --release --target wasm32-wasip1 -p pd-filter --lib timing)
+            fi
+            "${on_envoy_cpu[@]}" "${cmd[@]}" -- --ignored --nocapture --test-threads 1 \
+                >"$out/timing-$runner-$rep.log" 2>&1 || die "timing harness failed: $out/timing-$runner-$rep.log"
+            awk -v rep="$rep" '$1 == "TIMING" { printf "%s\t%s\t%s\t%s\t%s\t%s\n", rep, $2, $3, $4, $5, $6 }' \
+                "$out/timing-$runner-$rep.log" >>"$out/timing.tsv"
         done
     done
 fi
@@ -116,12 +162,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
-"${on_load_cpu[@]}" "$backend_bin" serve "127.0.0.1:$backend_port" 1 >"$out/backend.log" 2>&1 &
+"${on_load_cpu[@]}" "$backend_bin" serve "127.0.0.1:$backend_port,127.0.0.1:$prefill_port" 1 \
+    >"$out/backend.log" 2>&1 &
 backend_pid=$!
 pids+=("$backend_pid")
 
 sed -e "s|@ADMIN_PORT@|$admin_port|" -e "s|@PLAIN_PORT@|$plain_port|" \
     -e "s|@FILTER_PORT@|$filter_port|" -e "s|@BACKEND_PORT@|$backend_port|" \
+    -e "s|@PREFILL_PORT@|$prefill_port|" \
     -e "s|@WASM@|$wasm|" bench/envoy-bench.yaml >"$out/envoy.yaml"
 "${on_envoy_cpu[@]}" "$envoy_bin" -c "$out/envoy.yaml" --concurrency "$concurrency" \
     --use-dynamic-base-id -l warn >"$out/envoy.log" 2>&1 &
@@ -138,52 +186,96 @@ for _ in $(seq 1 100); do
 done
 [ "$(curl -s "http://127.0.0.1:$admin_port/ready")" = LIVE ] || die "envoy is not ready: $out/envoy.log"
 
+# vllm-router in P/D mode against the same backend: prefill and decode on distinct ports
+# (it keys workers by URL), round-robin (the cheapest policy; the default, cache_aware, keeps
+# a prefix tree of every prompt), warnings only (Envoy runs at -l warn), its Prometheus
+# listener moved off the default port.
+router_pid=""
+targets="direct plain filter"
+if [ -z "$router_note" ]; then
+    "${on_envoy_cpu[@]}" "$router_bin" --vllm-pd-disaggregation \
+        --prefill "http://127.0.0.1:$prefill_port" --decode "http://127.0.0.1:$backend_port" \
+        --host 127.0.0.1 --port "$router_port" --policy round_robin --log-level warning \
+        --prometheus-host 127.0.0.1 --prometheus-port "$router_metrics_port" \
+        >"$out/router.log" 2>&1 &
+    router_pid=$!
+    pids+=("$router_pid")
+    for _ in $(seq 1 150); do
+        code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$router_port/health" 2>/dev/null) || true
+        [ "$code" = 200 ] && break
+        kill -0 "$router_pid" 2>/dev/null || break
+        sleep 0.2
+    done
+    if [ "${code:-}" = 200 ]; then
+        targets="direct plain filter router"
+    else
+        router_note="vllm-router did not start: $(grep -v '^\s*$' "$out/router.log" | tail -n1)"
+        say "vllm-router: $router_note"
+        kill "$router_pid" 2>/dev/null || true
+        router_pid=""
+    fi
+fi
+
 stats() { curl -s "http://127.0.0.1:$backend_port/stats"; }
 stat_field() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$1" "$2"; }
+# utime + stime of the whole process (all threads), in clock ticks.
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
-memory() { python3 "$root/bench/report.py" memory "$envoy_pid"; }
+memory() { python3 "$root/bench/report.py" memory "${1:-$envoy_pid}"; }
 clk_tck=$(getconf CLK_TCK)
 
-# Sanity: each target answers 200 for each size, and through the filter decode gets the KV
-# parameters prefill issued.
+port_of() {
+    case $1 in
+        direct) echo "$backend_port" ;;
+        plain | filter) [ "$1" = plain ] && echo "$plain_port" || echo "$filter_port" ;;
+        router) echo "$router_port" ;;
+    esac
+}
+# The process whose CPU a target costs: Envoy, or vllm-router; none for the backend.
+proxy_pid_of() {
+    case $1 in
+        router) echo "$router_pid" ;;
+        *) echo "$envoy_pid" ;;
+    esac
+}
+
+# Sanity: each target answers 200 for each size, and through the filter and the router decode
+# gets the KV parameters prefill issued.
 for entry in $sizes; do
     label=${entry%%:*}
-    for port in $backend_port $plain_port $filter_port; do
+    for target in $targets; do
+        port=$(port_of "$target")
         before=$(stats)
         code=$(curl -s -o "$out/sanity.json" -w '%{http_code}' "http://127.0.0.1:$port$path" \
             -H 'content-type: application/json' --data-binary "@$out/body-$label.json")
         [ "$code" = 200 ] || die "$label to port $port answered $code: $(head -c 300 "$out/sanity.json")"
-        if [ "$port" = "$filter_port" ]; then
+        if [ "$target" = filter ] || [ "$target" = router ]; then
             after=$(stats)
             kv=$(($(stat_field "$after" decode_with_kv) - $(stat_field "$before" decode_with_kv)))
             pf=$(($(stat_field "$after" prefill) - $(stat_field "$before" prefill)))
-            [ "$kv" = 1 ] && [ "$pf" = 1 ] || die "$label through the filter: prefill $pf, decode with kv $kv"
+            [ "$kv" = 1 ] && [ "$pf" = 1 ] || die "$label through $target: prefill $pf, decode with kv $kv"
         fi
     done
 done
-say "sanity checks passed; Envoy $("$envoy_bin" --version | grep -o '[0-9]*\.[0-9]*\.[0-9]*/[A-Za-z]*' | head -1), --concurrency $concurrency; $placement"
+say "sanity checks passed; Envoy $("$envoy_bin" --version | grep -o '[0-9]*\.[0-9]*\.[0-9]*/[A-Za-z]*' | head -1), --concurrency $concurrency; targets: $targets; $placement"
 
 # One wrk run: target size conns secs rep phase -> a line of results.tsv
-printf 'phase\trep\ttarget\tsize\tconns\tsecs\trequests\tduration_us\tp50_us\tp99_us\tmean_us\terrors\tenvoy_cpu_s\tbackend_cpu_s\tprefill\tdecode_kv\tdecode_plain\trss_kb\thwm_kb\twasm_kb\n' >"$out/results.tsv"
+printf 'phase\trep\ttarget\tsize\tconns\tsecs\trequests\tduration_us\tp50_us\tp99_us\tmean_us\terrors\tproxy_cpu_s\tbackend_cpu_s\tprefill\tdecode_kv\tdecode_plain\trss_kb\thwm_kb\twasm_kb\n' >"$out/results.tsv"
 run() {
-    local target=$1 label=$2 nconns=$3 secs=$4 rep=$5 phase=$6 port
-    case $target in
-        direct) port=$backend_port ;;
-        plain) port=$plain_port ;;
-        filter) port=$filter_port ;;
-    esac
-    echo 5 >"/proc/$envoy_pid/clear_refs" 2>/dev/null || true # reset VmHWM
+    local target=$1 label=$2 nconns=$3 secs=$4 rep=$5 phase=$6 port proxy_pid
+    port=$(port_of "$target")
+    proxy_pid=$(proxy_pid_of "$target")
+    echo 5 >"/proc/$proxy_pid/clear_refs" 2>/dev/null || true # reset VmHWM
     local s0 e0 b0 line s1 e1 b1 mem
     s0=$(stats)
-    e0=$(cpu_ticks "$envoy_pid")
+    e0=$(cpu_ticks "$proxy_pid")
     b0=$(cpu_ticks "$backend_pid")
     line=$(BENCH_BODY="$out/body-$label.json" BENCH_PATH=$path "${on_load_cpu[@]}" \
         wrk -t1 -c"$nconns" -d"${secs}s" --timeout 30s -s bench/post.lua \
         "http://127.0.0.1:$port" | grep '^BENCH ') || die "wrk failed ($target $label c$nconns)"
-    e1=$(cpu_ticks "$envoy_pid")
+    e1=$(cpu_ticks "$proxy_pid")
     b1=$(cpu_ticks "$backend_pid")
     s1=$(stats)
-    mem=$(memory)
+    mem=$(memory "$proxy_pid")
     python3 - "$phase" "$rep" "$target" "$label" "$nconns" "$secs" "$line" "$e0" "$e1" "$b0" "$b1" \
         "$clk_tck" "$s0" "$s1" "$mem" >>"$out/results.tsv" <<'PY'
 import json, sys
@@ -200,7 +292,7 @@ row = [phase, rep, target, label, conns, secs, f["requests"], f["duration_us"], 
 print("\t".join(str(x) for x in row))
 PY
     tail -n1 "$out/results.tsv" | awk -F'\t' -v t="$target" -v s="$label" -v c="$nconns" \
-        '{ printf "  %-6s %-5s c%-3s %7.0f req/s  p50 %8.2f ms  p99 %8.2f ms  envoy %.2f CPU-s/1000  errors %s\n",
+        '{ printf "  %-6s %-5s c%-3s %7.0f req/s  p50 %8.2f ms  p99 %8.2f ms  proxy %.2f CPU-s/1000  errors %s\n",
            t, s, c, $7 / ($8 / 1e6), $9 / 1000, $10 / 1000, ($7 > 0 ? $13 * 1000 / $7 : 0), $12 }' >&2
 }
 
@@ -211,7 +303,7 @@ for rep in $(seq 1 "$reps"); do
     for entry in $sizes; do
         label=${entry%%:*}
         say "repetition $rep/$reps, $label"
-        for target in direct plain filter; do
+        for target in $targets; do
             if [ "$rep" = 1 ]; then
                 run "$target" "$label" "$conns" 1 "$rep" warmup 2>/dev/null
                 if [ "$label" = 1MB ]; then
@@ -237,6 +329,9 @@ if [ "$soak_secs" -gt 0 ]; then
     done
 fi
 kill -0 "$envoy_pid" 2>/dev/null || die "envoy died during the bench: $out/envoy.log"
+if [ -n "$router_pid" ] && ! kill -0 "$router_pid" 2>/dev/null; then
+    die "vllm-router died during the bench: $out/router.log"
+fi
 
 # --- 5. report --------------------------------------------------------------------------------
 {
@@ -244,5 +339,10 @@ kill -0 "$envoy_pid" 2>/dev/null || die "envoy died during the bench: $out/envoy
     echo "envoy: $("$envoy_bin" --version 2>/dev/null | grep -o 'version: .*' | head -1), --concurrency $concurrency, wasm runtime v8; $placement"
     echo "other load on the machine (1/5/15-min load average, this bench included): $load_before at the start, $(cut -d' ' -f1-3 /proc/loadavg) at the end"
     echo "load: wrk -t1, $c1_secs s at 1 connection, $c32_secs s at $conns connections, $reps repetitions; backend: bench-backend (1 thread)"
+    if [ -n "$router_pid" ]; then
+        echo "vllm-router $router_version (PyPI), --vllm-pd-disaggregation, --policy round_robin, --log-level warning, $(ls "/proc/$router_pid/task" | wc -l) threads"
+    else
+        echo "vllm-router: $router_note"
+    fi
 } >"$out/setup.txt"
 python3 bench/report.py report "$out" | tee "$out/report.md"

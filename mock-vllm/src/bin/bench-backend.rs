@@ -1,7 +1,7 @@
 //! `bench-backend`: the cheap backend of `make bench` (scripts/bench.sh).
 //!
 //! ```text
-//! bench-backend serve ADDR [THREADS]   answer like a vLLM prefill and decode pair, on one port
+//! bench-backend serve ADDR[,ADDR…] [THREADS]   answer like a vLLM prefill and decode pair
 //! bench-backend body SIZE PATH         write the benchmark's chat body of SIZE bytes to PATH
 //! ```
 //!
@@ -10,7 +10,10 @@
 //! carrying `"do_remote_decode":true` is a prefill request and gets a small completion with a
 //! `kv_transfer_params` object; any other body gets a small completion as decode would.
 //! `GET /stats` counts what it saw, so the bench can check that decode received the KV
-//! parameters prefill issued. No validation beyond that: it must not be the bottleneck.
+//! parameters prefill issued. Other `GET`s (a router's health checks) get `{}` and are not
+//! counted. Several addresses serve the same handler from the same threads: a router that
+//! keys its workers by URL (vllm-router) needs prefill and decode on distinct ports. No
+//! validation beyond that: it must not be the bottleneck.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -84,7 +87,8 @@ fn json(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
 }
 
 async fn handle(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
-    let is_stats = request.method() == Method::GET && request.uri().path() == "/stats";
+    let is_get = request.method() == Method::GET;
+    let is_stats = is_get && request.uri().path() == "/stats";
     // Read the whole body before answering, as vLLM does.
     let body = match request.into_body().collect().await {
         Ok(collected) => collected.to_bytes(),
@@ -100,6 +104,9 @@ async fn handle(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Inf
         );
         return Ok(json(StatusCode::OK, stats));
     }
+    if is_get {
+        return Ok(json(StatusCode::OK, "{}"));
+    }
     BODY_BYTES.fetch_add(body.len() as u64, Ordering::Relaxed);
     if contains_quoted(&body, REMOTE_DECODE) {
         PREFILL.fetch_add(1, Ordering::Relaxed);
@@ -113,9 +120,20 @@ async fn handle(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Inf
     Ok(json(StatusCode::OK, DECODE_ANSWER))
 }
 
-async fn serve(addr: SocketAddr) -> std::io::Result<()> {
-    let listener = TcpListener::bind(addr).await?;
-    println!("bench-backend listening on {}", listener.local_addr()?);
+async fn serve(addrs: Vec<SocketAddr>) -> std::io::Result<()> {
+    let mut accepting = Vec::new();
+    for addr in addrs {
+        let listener = TcpListener::bind(addr).await?;
+        println!("bench-backend listening on {}", listener.local_addr()?);
+        accepting.push(tokio::spawn(accept(listener)));
+    }
+    for task in accepting {
+        task.await.map_err(std::io::Error::other)??;
+    }
+    Ok(())
+}
+
+async fn accept(listener: TcpListener) -> std::io::Result<()> {
     loop {
         let (stream, _) = listener.accept().await?;
         let _ = stream.set_nodelay(true);
@@ -128,14 +146,19 @@ async fn serve(addr: SocketAddr) -> std::io::Result<()> {
     }
 }
 
-const USAGE: &str = "usage: bench-backend serve ADDR [THREADS] | bench-backend body SIZE PATH";
+const USAGE: &str =
+    "usage: bench-backend serve ADDR[,ADDR...] [THREADS] | bench-backend body SIZE PATH";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     match args.as_slice() {
         ["serve", addr, rest @ ..] => {
-            let Ok(addr) = addr.parse::<SocketAddr>() else {
+            let Ok(addrs) = addr
+                .split(',')
+                .map(str::parse::<SocketAddr>)
+                .collect::<Result<Vec<_>, _>>()
+            else {
                 eprintln!("bench-backend: bad address {addr:?}\n{USAGE}");
                 std::process::exit(2);
             };
@@ -150,7 +173,7 @@ fn main() {
                     .enable_all()
                     .build()
             };
-            let result = runtime.and_then(|rt| rt.block_on(serve(addr)));
+            let result = runtime.and_then(|rt| rt.block_on(serve(addrs)));
             if let Err(e) = result {
                 eprintln!("bench-backend: {e}");
                 std::process::exit(1);
