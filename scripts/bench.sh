@@ -140,7 +140,7 @@ if [ "$micro" = 1 ]; then
             fi
             "${on_envoy_cpu[@]}" "${cmd[@]}" -- --ignored --nocapture --test-threads 1 \
                 >"$out/timing-$runner-$rep.log" 2>&1 || die "timing harness failed: $out/timing-$runner-$rep.log"
-            awk -v rep="$rep" '$1 == "TIMING" { printf "%s\t%s\t%s\t%s\t%s\t%s\n", rep, $2, $3, $4, $5, $6 }' \
+            awk -v rep="$rep" 'sub(/^.*TIMING /, "TIMING ") { printf "%s\t%s\t%s\t%s\t%s\t%s\n", rep, $2, $3, $4, $5, $6 }' \
                 "$out/timing-$runner-$rep.log" >>"$out/timing.tsv"
         done
     done
