@@ -925,6 +925,21 @@ impl Session {
             AnswerRewrite::Events(events) => prompt_usage
                 .and_then(|(api, prompt)| events.on_chunk(api, prompt, body, end_of_stream)),
         };
+        // Envoy's buffer holds at least `max_request_body_bytes` (documented); a larger
+        // answer would make Envoy answer on its own from inside this callback. Such an answer
+        // goes on as decode wrote it.
+        let limit = self.config_limit().unwrap_or_default();
+        let rewritten = rewritten.filter(|rewritten| {
+            let fits = rewritten.len() <= limit;
+            if !fits {
+                log::warn!(
+                    "[{}] the answer with prefill's usage and prompt logprobs would be larger \
+                     than {limit} bytes; passed on as decode wrote it",
+                    self.request_id
+                );
+            }
+            fits
+        });
         let commands = rewritten
             .map(|rewritten| Command::ReplaceResponseBody {
                 body: rewritten,

@@ -1004,3 +1004,24 @@ fn the_filters_own_refusals_are_client_errors_of_their_api() {
     assert_eq!(reply(&step.commands).0, 413);
     assert_eq!(recorded(&step.commands), vec![Metric::BadRequest]);
 }
+
+#[test]
+fn an_answer_that_would_outgrow_the_limit_goes_on_as_decode_wrote_it() {
+    let answer = format!(
+        r#"{{"choices":[{{"text":"{}"}}],"usage":{{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12}}}}"#,
+        "x".repeat(400)
+    );
+    let mut s = prefilling(&format!(
+        r#"{{"max_request_body_bytes":{}}}"#,
+        answer.len() + 10
+    ));
+    s.on_prefill_answer(1, Some(200), prefill_with_usage(1).as_bytes(), at(5));
+    s.on_response_headers(&upstream(200));
+    assert_eq!(s.on_response_body(answer.len(), true), BodyStep::ReadBody);
+    let step = s.on_response_body_read(answer.as_bytes(), true);
+    assert_eq!(
+        step,
+        Step::new(Flow::Continue, vec![]),
+        "not rewritten past the limit"
+    );
+}
