@@ -526,6 +526,9 @@ impl HttpContext for PdRequest {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if !self.request.session.borrow().watches_response() {
+            return Action::Continue;
+        }
         let headers = hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default();
         let value = |name: &str| {
             headers

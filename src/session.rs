@@ -809,6 +809,12 @@ impl Session {
             .collect()
     }
 
+    /// Whether the response concerns the session at all: only a request sent on to decode
+    /// by the filter. Every other answer goes by without its headers being read.
+    pub fn watches_response(&self) -> bool {
+        matches!(self.state, State::Decoding { .. })
+    }
+
     /// Whether [`Session::on_response_headers`] needs Envoy's `response.code_details` for an
     /// answer with this status: only while decode may not have taken the KV prefill made,
     /// and only for the 5xx Envoy answers with when decode could not be reached.

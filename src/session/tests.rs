@@ -1025,3 +1025,14 @@ fn an_answer_that_would_outgrow_the_limit_goes_on_as_decode_wrote_it() {
         "not rewritten past the limit"
     );
 }
+
+#[test]
+fn only_answers_to_requests_sent_on_to_decode_are_watched() {
+    let mut s = session("");
+    s.on_request_headers(&headers("GET", "/v1/models", &[]), true);
+    assert!(!s.watches_response());
+    let mut s = prefilling("");
+    assert!(!s.watches_response(), "still prefilling");
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert!(s.watches_response());
+}
