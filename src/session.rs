@@ -12,7 +12,9 @@ use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy, UsagePolicy};
 use crate::protocol::kv_release::decode_never_read;
 use crate::protocol::paths::PathVerdict;
 use crate::protocol::prompt_logprobs;
-use crate::protocol::rewrite::{kv_release_body, strip_kv_transfer_params};
+use crate::protocol::rewrite::{
+    kv_release_body, minimal_kv_release_body, strip_kv_transfer_params, MINIMAL_RELEASE_PATH,
+};
 use crate::protocol::scheduling::{
     check_model_for_header, parse_prefill_hosts, with_reachable_remote_host,
 };
@@ -223,7 +225,10 @@ pub struct ResponseHead<'a> {
 /// KV that prefill made and decode has not read yet.
 struct UnreadKv {
     api: Api,
-    original: Vec<u8>,
+    /// The client's body while the filter still holds it; once decode has it, the release is
+    /// the minimal one, so that no request holds a copy of its body while decode runs.
+    original: Option<Vec<u8>>,
+    model: Option<String>,
     kv_transfer_params: Vec<u8>,
     headers: Vec<(String, String)>,
 }
@@ -239,6 +244,7 @@ struct Pending {
 struct Prefill {
     api: Api,
     original: Vec<u8>,
+    model: Option<String>,
     decode: DecodePlan,
     cluster: String,
     prefill_headers: Vec<(String, String)>,
@@ -505,6 +511,7 @@ impl Session {
         let prefill = Prefill {
             api: pending.api,
             original: body,
+            model: prepared.model,
             decode: prepared.decode,
             cluster,
             prefill_headers: pending.prefill_headers,
@@ -584,7 +591,8 @@ impl Session {
                 );
                 let unread = UnreadKv {
                     api: prefill.api,
-                    original: prefill.original,
+                    original: Some(prefill.original),
+                    model: prefill.model,
                     kv_transfer_params: kv.to_vec(),
                     headers: prefill.prefill_headers,
                 };
@@ -609,7 +617,8 @@ impl Session {
                     )));
                     let unread = UnreadKv {
                         api: prefill.api,
-                        original: prefill.original,
+                        original: Some(prefill.original),
+                        model: prefill.model,
                         kv_transfer_params: kv.to_vec(),
                         headers: prefill.prefill_headers,
                     };
@@ -643,7 +652,8 @@ impl Session {
                 let unread_kv = config.release_kv_on_abandon.then(|| UnreadKv {
                     api: prefill.api,
                     kv_transfer_params: kv.to_vec(),
-                    original: prefill.original,
+                    original: None,
+                    model: prefill.model,
                     headers: prefill.prefill_headers,
                 });
                 self.state = State::Decoding {
@@ -996,8 +1006,18 @@ impl Session {
         if !config.release_kv_on_abandon {
             return None;
         }
-        let body = kv_release_body(unread.api, &unread.original, &unread.kv_transfer_params)?;
         let mut headers = unread.headers;
+        let body = match &unread.original {
+            Some(original) => kv_release_body(unread.api, original, &unread.kv_transfer_params)?,
+            None => {
+                for (name, value) in headers.iter_mut() {
+                    if name == ":path" {
+                        *value = MINIMAL_RELEASE_PATH.to_owned();
+                    }
+                }
+                minimal_kv_release_body(unread.model.as_deref(), &unread.kv_transfer_params)
+            }
+        };
         headers.push((KV_RELEASE_HEADER.to_owned(), "1".to_owned()));
         Some(Command::ReleaseKv(HttpCall {
             cluster: config.decode_cluster.clone(),

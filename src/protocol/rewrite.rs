@@ -264,6 +264,30 @@ pub fn kv_release_body(api: Api, body: &[u8], kv_transfer_params: &[u8]) -> Opti
     Some(one_token_splice(api, &object, Edit::Slot).write(text, kv_transfer_params))
 }
 
+/// The path of [`minimal_kv_release_body`]: every vLLM generation server serves it.
+pub const MINIMAL_RELEASE_PATH: &str = "/v1/completions";
+
+/// The smallest request that makes a decode worker take prefill's KV: a one-token prompt,
+/// one token generated, for when the client's body is no longer held. vLLM's NIXL connector
+/// reads only as many of prefill's blocks as the request needs (the last ones) and then
+/// notifies prefill, which frees all of them.
+pub fn minimal_kv_release_body(model: Option<&str>, kv_transfer_params: &[u8]) -> Vec<u8> {
+    let model = model.map(|model| serde_json::Value::from(model).to_string());
+    let mut body = Vec::with_capacity(96 + kv_transfer_params.len());
+    body.push(b'{');
+    if let Some(model) = model {
+        body.extend_from_slice(b"\"model\":");
+        body.extend_from_slice(model.as_bytes());
+        body.push(b',');
+    }
+    body.extend_from_slice(
+        b"\"prompt\":[0],\"max_tokens\":1,\"stream\":false,\"kv_transfer_params\":",
+    );
+    body.extend_from_slice(kv_transfer_params);
+    body.push(b'}');
+    body
+}
+
 /// The client's body capped to one generated token, not streamed, with `kv` as its
 /// `kv_transfer_params` (for prefill: asking for remote decode). Each field that is edited
 /// appears once, however often the client repeated it.
@@ -518,6 +542,15 @@ mod tests {
             json!({"prompt":"x","max_tokens":1,"stream":false,"kv_transfer_params":{"k":2}})
         );
         assert_eq!(kv_release_body(Api::Completions, b"[]", b"{}"), None);
+        let minimal: Value =
+            serde_json::from_slice(&minimal_kv_release_body(Some("m\"1"), br#"{"k":3}"#)).unwrap();
+        assert_eq!(
+            minimal,
+            json!({"model":"m\"1","prompt":[0],"max_tokens":1,"stream":false,"kv_transfer_params":{"k":3}})
+        );
+        let no_model: Value =
+            serde_json::from_slice(&minimal_kv_release_body(None, b"{}")).unwrap();
+        assert!(no_model.get("model").is_none());
     }
 
     #[test]

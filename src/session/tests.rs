@@ -376,14 +376,29 @@ fn a_client_that_leaves_during_prefill_has_its_kv_released() {
 #[test]
 fn kv_is_released_only_when_decode_never_took_the_request() {
     let unreachable = "upstream_reset_before_response_started{remote_connection_failure}";
-    let mut s = prefilling("");
+    let mut s = session("");
+    let chat = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":9}"#;
+    send(&mut s, &post("/v1/chat/completions"), chat);
+    s.on_prefill_dispatched(Some(1), at(0));
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(
         !s.wants_response_details(Some(200)),
         "a 200 is decode's own"
     );
     assert!(s.wants_response_details(Some(503)));
-    released(&s.on_response_headers(&unreached(unreachable)));
+    let commands = s.on_response_headers(&unreached(unreachable));
+    // The client's body is no longer held once decode has it: the release is one token
+    // of prompt, for the same model, on the same KV.
+    let release = released(&commands);
+    assert_eq!(release["prompt"], serde_json::json!([0]));
+    assert_eq!(release["max_tokens"], 1);
+    assert_eq!(release["model"], "m");
+    assert!(release["kv_transfer_params"].is_object(), "{release}");
+    let path = commands.iter().find_map(|c| match c {
+        Command::ReleaseKv(call) => call_header(call, ":path"),
+        _ => None,
+    });
+    assert_eq!(path, Some("/v1/completions"));
     assert!(!s.wants_response_details(Some(503)), "asked once");
     assert!(
         s.on_response_headers(&unreached(unreachable)).is_empty(),
