@@ -6,8 +6,17 @@
 //! Callouts belong to the worker's root context, not to the request: the SDK delivers an
 //! answer only to the context that sent the call, and a request's context is gone once its
 //! client is, while prefill's answer (and the KV it holds) still comes. A request hands its
-//! calls to the root through a per-worker shared queue; the root sends them, reads their
-//! answers, and acts on the request (its effective context) while the client is there.
+//! calls to the root; the root sends them, reads their answers, and acts on the request (its
+//! effective context) while the client is there.
+//!
+//! A prefill call is handed over without a turn of the event loop: the request calls the
+//! SDK's own `proxy_on_queue_ready` export for the root, which makes the root the SDK's active
+//! context (the SDK routes an answer to the context that was active when its call was sent),
+//! and the root sends the call at once. This leans on the dispatcher of proxy-wasm 0.2.5, which
+//! `Cargo.toml` pins; the KV-release tests (clients that leave during prefill) fail if an SDK
+//! stops routing answers that way. Where it cannot be done (inside a callback of the root,
+//! whose context the SDK holds borrowed) the call waits in a per-worker shared queue for the
+//! root's next turn, as KV releases always do.
 
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
@@ -29,8 +38,8 @@ use crate::stats::Stats;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
-        Box::new(PdRoot { config: None, worker: Rc::new(Worker::new()) })
+    proxy_wasm::set_root_context(|root_id| -> Box<dyn RootContext> {
+        Box::new(PdRoot { config: None, worker: Rc::new(Worker::new(root_id)) })
     });
 }}
 
@@ -39,8 +48,23 @@ struct PdRoot {
     worker: Rc<Worker>,
 }
 
+/// The queue id the root's `on_queue_ready` gets for a call sent at once
+/// ([`Worker::send_as_root`]); never one the host hands out.
+const SEND_NOW: u32 = u32::MAX;
+
+extern "C" {
+    /// The SDK's entry for the host's queue callback, exported by this very module.
+    fn proxy_on_queue_ready(context_id: u32, queue_id: u32);
+}
+
 /// What one worker's root context shares with its requests.
 struct Worker {
+    root_id: u32,
+    /// A callback of the root is running: the SDK holds the root borrowed.
+    in_root: Cell<bool>,
+    /// The call the root is to send at once, and the token it went out with.
+    send_now: RefCell<Option<HttpCall>>,
+    sent_now: Cell<Option<u32>>,
     stats: OnceCell<Stats>,
     queue: Cell<Option<u32>>,
     callouts: RefCell<Callouts<Rc<Request>>>,
@@ -80,8 +104,12 @@ fn action(flow: Flow) -> Action {
 }
 
 impl Worker {
-    fn new() -> Worker {
+    fn new(root_id: u32) -> Worker {
         Worker {
+            root_id,
+            in_root: Cell::new(false),
+            send_now: RefCell::new(None),
+            sent_now: Cell::new(None),
             stats: OnceCell::new(),
             queue: Cell::new(None),
             callouts: RefCell::new(Callouts::default()),
@@ -94,8 +122,34 @@ impl Worker {
         }
     }
 
-    /// Hands a call to the root; sent at once where there is no queue to hand it over.
+    /// Sends `call` as the root from a request's callback. `Err` gives the call back when
+    /// that cannot be done here; `Ok(None)` when it could not be sent.
+    fn send_as_root(&self, call: HttpCall) -> Result<Option<u32>, HttpCall> {
+        if self.in_root.get() || self.queue.get().is_none() {
+            return Err(call);
+        }
+        *self.send_now.borrow_mut() = Some(call);
+        self.sent_now.set(None);
+        // SAFETY: the SDK's export, defined in this module and called as the host would call
+        // it; it borrows only the SDK's root contexts, which no request callback holds.
+        unsafe { proxy_on_queue_ready(self.root_id, SEND_NOW) };
+        self.send_now.borrow_mut().take();
+        Ok(self.sent_now.take())
+    }
+
+    /// Hands a call to the root: a prefill call is sent at once where possible; others wait
+    /// in the shared queue for the root's turn, or are sent at once where there is no queue.
     fn hand_over(&self, job: Job<Rc<Request>>, now: SystemTime) {
+        let job = match job {
+            Job::Prefill(request, call) => match self.send_as_root(call) {
+                Ok(token) => {
+                    self.prefill_dispatched(&request, token, In::Request, now);
+                    return;
+                }
+                Err(call) => Job::Prefill(request, call),
+            },
+            job => job,
+        };
         let Some(queue) = self.queue.get() else {
             self.run_job(job, In::Request, now);
             return;
@@ -112,8 +166,18 @@ impl Worker {
         }
     }
 
-    /// The root's turn: every call handed over since the last one.
+    /// The root's turn: the call to send at once, or every call queued since the last turn.
     fn on_queue_ready(&self, queue: u32) {
+        if queue == SEND_NOW {
+            let token = self
+                .send_now
+                .borrow()
+                .as_ref()
+                .and_then(|call| self.dispatch(call));
+            self.sent_now.set(token);
+            return;
+        }
+        self.in_root.set(true);
         while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue) {}
         self.callouts.borrow_mut().woken();
         loop {
@@ -121,6 +185,7 @@ impl Worker {
             let Some(job) = job else { break };
             self.run_job(job, In::Root, now());
         }
+        self.in_root.set(false);
     }
 
     fn run_job(&self, job: Job<Rc<Request>>, context: In, now: SystemTime) {
@@ -152,6 +217,16 @@ impl Worker {
         now: SystemTime,
     ) {
         let token = self.dispatch(call);
+        self.prefill_dispatched(request, token, context, now);
+    }
+
+    fn prefill_dispatched(
+        &self,
+        request: &Rc<Request>,
+        token: Option<u32>,
+        context: In,
+        now: SystemTime,
+    ) {
         if let Some(token) = token {
             self.callouts
                 .borrow_mut()
@@ -402,7 +477,9 @@ impl Context for PdRoot {
         body_size: usize,
         _num_trailers: usize,
     ) {
+        self.worker.in_root.set(true);
         self.worker.on_answer(token_id, body_size, In::Root);
+        self.worker.in_root.set(false);
     }
 }
 
