@@ -85,8 +85,19 @@ enum In {
     Request,
 }
 
-fn now() -> SystemTime {
-    hostcalls::get_current_time().unwrap_or(UNIX_EPOCH)
+/// The host's clock, read at most once per callback and only when something needs it.
+#[derive(Default)]
+struct Clock(Cell<Option<SystemTime>>);
+
+impl Clock {
+    fn now(&self) -> SystemTime {
+        if let Some(now) = self.0.get() {
+            return now;
+        }
+        let now = hostcalls::get_current_time().unwrap_or(UNIX_EPOCH);
+        self.0.set(Some(now));
+        now
+    }
 }
 
 fn as_pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
@@ -139,11 +150,11 @@ impl Worker {
 
     /// Hands a call to the root: a prefill call is sent at once where possible; others wait
     /// in the shared queue for the root's turn, or are sent at once where there is no queue.
-    fn hand_over(&self, job: Job<Rc<Request>>, now: SystemTime) {
+    fn hand_over(&self, job: Job<Rc<Request>>, clock: &Clock) {
         let job = match job {
             Job::Prefill(request, call) => match self.send_as_root(call) {
                 Ok(token) => {
-                    self.prefill_dispatched(&request, token, In::Request, now);
+                    self.prefill_dispatched(&request, token, In::Request, clock);
                     return;
                 }
                 Err(call) => Job::Prefill(request, call),
@@ -151,7 +162,7 @@ impl Worker {
             job => job,
         };
         let Some(queue) = self.queue.get() else {
-            self.run_job(job, In::Request, now);
+            self.run_job(job, In::Request, clock);
             return;
         };
         let wake = self.callouts.borrow_mut().queue(job);
@@ -160,7 +171,7 @@ impl Worker {
                 log::warn!("could not wake the root context: {status:?}");
                 let job = self.callouts.borrow_mut().wake_failed();
                 if let Some(job) = job {
-                    self.run_job(job, In::Request, now);
+                    self.run_job(job, In::Request, clock);
                 }
             }
         }
@@ -183,16 +194,16 @@ impl Worker {
         loop {
             let job = self.callouts.borrow_mut().next_job();
             let Some(job) = job else { break };
-            self.run_job(job, In::Root, now());
+            self.run_job(job, In::Root, &Clock::default());
         }
         self.in_root.set(false);
     }
 
-    fn run_job(&self, job: Job<Rc<Request>>, context: In, now: SystemTime) {
+    fn run_job(&self, job: Job<Rc<Request>>, context: In, clock: &Clock) {
         match job {
             // Nothing to do for a client gone before its prefill went out.
             Job::Prefill(request, _) if !request.alive.get() => {}
-            Job::Prefill(request, call) => self.dispatch_prefill(&request, &call, context, now),
+            Job::Prefill(request, call) => self.dispatch_prefill(&request, &call, context, clock),
             Job::Release(call) => self.dispatch_release(&call),
         }
     }
@@ -209,15 +220,9 @@ impl Worker {
         .ok()
     }
 
-    fn dispatch_prefill(
-        &self,
-        request: &Rc<Request>,
-        call: &HttpCall,
-        context: In,
-        now: SystemTime,
-    ) {
+    fn dispatch_prefill(&self, request: &Rc<Request>, call: &HttpCall, context: In, clock: &Clock) {
         let token = self.dispatch(call);
-        self.prefill_dispatched(request, token, context, now);
+        self.prefill_dispatched(request, token, context, clock);
     }
 
     fn prefill_dispatched(
@@ -225,7 +230,7 @@ impl Worker {
         request: &Rc<Request>,
         token: Option<u32>,
         context: In,
-        now: SystemTime,
+        clock: &Clock,
     ) {
         if let Some(token) = token {
             self.callouts
@@ -235,8 +240,8 @@ impl Worker {
         let commands = request
             .session
             .borrow_mut()
-            .on_prefill_dispatched(token, now);
-        self.act_on(request, commands, context, now);
+            .on_prefill_dispatched(token, clock.now());
+        self.act_on(request, commands, context, clock);
     }
 
     fn dispatch_release(&self, call: &HttpCall) {
@@ -266,12 +271,14 @@ impl Worker {
                     .ok()
                     .flatten()
                     .unwrap_or_default();
-                let now = now();
-                let commands = request
-                    .session
-                    .borrow_mut()
-                    .on_prefill_answer(token, status, &body, now);
-                self.act_on(&request, commands, context, now);
+                let clock = Clock::default();
+                let commands = request.session.borrow_mut().on_prefill_answer(
+                    token,
+                    status,
+                    &body,
+                    clock.now(),
+                );
+                self.act_on(&request, commands, context, &clock);
             }
             Some(Caller::Release) => {
                 let released = release_succeeded(status);
@@ -287,7 +294,7 @@ impl Worker {
     }
 
     /// Carries out a request's commands. Only calls that outlive it run for a gone client.
-    fn act_on(&self, request: &Rc<Request>, commands: Vec<Command>, context: In, now: SystemTime) {
+    fn act_on(&self, request: &Rc<Request>, commands: Vec<Command>, context: In, clock: &Clock) {
         if commands.is_empty() {
             return;
         }
@@ -302,11 +309,11 @@ impl Worker {
         while let Some(command) = queue.pop_front() {
             let follow_up = match command {
                 Command::DispatchPrefill(call) => {
-                    self.prefill_call(request, call, context, now);
+                    self.prefill_call(request, call, context, clock);
                     Vec::new()
                 }
                 Command::ReleaseKv(call) => {
-                    self.release_call(call, context, now);
+                    self.release_call(call, context, clock);
                     Vec::new()
                 }
                 Command::Record(metric) => {
@@ -323,18 +330,18 @@ impl Worker {
         }
     }
 
-    fn prefill_call(&self, request: &Rc<Request>, call: HttpCall, context: In, now: SystemTime) {
+    fn prefill_call(&self, request: &Rc<Request>, call: HttpCall, context: In, clock: &Clock) {
         match context {
             // Already the root's turn (a retry): send it now.
-            In::Root => self.dispatch_prefill(request, &call, In::Root, now),
-            In::Request => self.hand_over(Job::Prefill(request.clone(), call), now),
+            In::Root => self.dispatch_prefill(request, &call, In::Root, clock),
+            In::Request => self.hand_over(Job::Prefill(request.clone(), call), clock),
         }
     }
 
-    fn release_call(&self, call: HttpCall, context: In, now: SystemTime) {
+    fn release_call(&self, call: HttpCall, context: In, clock: &Clock) {
         match context {
             In::Root => self.dispatch_release(&call),
-            In::Request => self.hand_over(Job::Release(call), now),
+            In::Request => self.hand_over(Job::Release(call), clock),
         }
     }
 }
@@ -628,7 +635,7 @@ impl HttpContext for PdRequest {
         };
         let commands = self.request.session.borrow_mut().on_response_headers(&head);
         self.worker
-            .act_on(&self.request, commands, In::Request, now());
+            .act_on(&self.request, commands, In::Request, &Clock::default());
         Action::Continue
     }
 
@@ -657,8 +664,9 @@ impl HttpContext for PdRequest {
 
 impl PdRequest {
     fn run_body_step(&mut self, step: BodyStep) -> Action {
+        let clock = Clock::default();
         match step {
-            BodyStep::Step(step) => self.run(step),
+            BodyStep::Step(step) => self.run_with(step, &clock),
             BodyStep::ReadBody => {
                 let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX);
                 let step = match body {
@@ -666,7 +674,7 @@ impl PdRequest {
                         .request
                         .session
                         .borrow_mut()
-                        .on_request_complete(body.unwrap_or_default(), now()),
+                        .on_request_complete(body.unwrap_or_default(), clock.now()),
                     Err(status) => {
                         log::debug!("get_buffer(HttpRequestBody): {status:?}");
                         let commands = self
@@ -680,14 +688,19 @@ impl PdRequest {
                         }
                     }
                 };
-                self.run(step)
+                self.run_with(step, &clock)
             }
         }
     }
 
     fn run(&mut self, step: Step) -> Action {
+        self.run_with(step, &Clock::default())
+    }
+
+    /// Carries out a step's commands; `clock` is the one the session was given its time by.
+    fn run_with(&mut self, step: Step, clock: &Clock) -> Action {
         self.worker
-            .act_on(&self.request, step.commands, In::Request, now());
+            .act_on(&self.request, step.commands, In::Request, clock);
         action(step.flow)
     }
 }

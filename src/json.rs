@@ -111,6 +111,11 @@ impl<'a> JsonObject<'a> {
         scan_object(text)
     }
 
+    /// The document the object was parsed from.
+    pub fn text(&self) -> &'a [u8] {
+        self.text
+    }
+
     pub fn members(&self) -> &[Member<'a>] {
         &self.members
     }

@@ -3,8 +3,6 @@
 //! prompt was computed by prefill, whose counts are the true ones. The answer keeps decode's
 //! output counts and takes prefill's prompt counts, totals recomputed.
 
-use serde_json::{Map, Value};
-
 use crate::api::Api;
 use crate::json::{Edit, JsonObject};
 
@@ -29,42 +27,87 @@ fn names(api: Api) -> (&'static str, &'static str, &'static str) {
 
 /// Prefill's prompt counts, from its (non-streamed) answer.
 pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
-    let object = JsonObject::parse(prefill_answer).ok()?;
-    let usage: Value = serde_json::from_slice(object.last_value("usage")?).ok()?;
+    let answer = JsonObject::parse(prefill_answer).ok()?;
+    let usage = JsonObject::parse(answer.last_value("usage")?).ok()?;
     let (prompt, _, details) = names(api);
+    let cached_tokens = usage
+        .last_value(details)
+        .and_then(|details| JsonObject::parse(details).ok())
+        .and_then(|details| as_count(details.last_value("cached_tokens")?));
     Some(PromptUsage {
-        prompt_tokens: usage.get(prompt)?.as_u64()?,
-        cached_tokens: usage
-            .get(details)
-            .and_then(|details| details.get("cached_tokens"))
-            .and_then(Value::as_u64),
+        prompt_tokens: as_count(usage.last_value(prompt)?)?,
+        cached_tokens,
     })
 }
 
-/// A usage object with prefill's prompt counts; `None` when it is not one to change.
+/// A usage object with prefill's prompt counts; `None` when it is not one to change. Members
+/// keep their order and spelling; only the counts change (or are added where missing).
 fn merged_usage(api: Api, usage: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
-    let Value::Object(mut usage) = serde_json::from_slice::<Value>(usage).ok()? else {
-        return None;
-    };
+    let object = JsonObject::parse(usage).ok()?;
     let (prompt_name, output_name, details_name) = names(api);
-    let output = usage.get(output_name).and_then(Value::as_u64)?;
-    usage.insert(prompt_name.to_owned(), prompt.prompt_tokens.into());
-    usage.insert(
-        "total_tokens".to_owned(),
-        prompt.prompt_tokens.saturating_add(output).into(),
-    );
-    let cached = prompt.cached_tokens.unwrap_or(0);
-    match usage.get_mut(details_name) {
-        Some(Value::Object(details)) => {
-            details.insert("cached_tokens".to_owned(), cached.into());
+    let output = as_count(object.last_value(output_name)?)?;
+    let cached = prompt.cached_tokens.unwrap_or(0).to_string();
+    let details = match object.last_value(details_name) {
+        Some(details) if details.starts_with(b"{") => {
+            let details_object = JsonObject::parse(details).ok()?;
+            with_values(&details_object, &[("cached_tokens", cached.as_bytes())])
         }
-        _ => {
-            let mut details = Map::new();
-            details.insert("cached_tokens".to_owned(), cached.into());
-            usage.insert(details_name.to_owned(), Value::Object(details));
+        _ => format!("{{\"cached_tokens\":{cached}}}").into_bytes(),
+    };
+    let prompt_tokens = prompt.prompt_tokens.to_string();
+    let total = prompt.prompt_tokens.saturating_add(output).to_string();
+    Some(with_values(
+        &object,
+        &[
+            (prompt_name, prompt_tokens.as_bytes()),
+            ("total_tokens", total.as_bytes()),
+            (details_name, &details),
+        ],
+    ))
+}
+
+/// A token count: a JSON integer that fits in 64 bits.
+fn as_count(value: &[u8]) -> Option<u64> {
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
+
+/// `object`'s text with the last member of each key given the new value (the member JSON
+/// parsers keep), or the member appended when the key is absent.
+fn with_values(object: &JsonObject, values: &[(&str, &[u8])]) -> Vec<u8> {
+    let text = object.text();
+    let members = object.members();
+    let last_of = |key: &str| members.iter().rposition(|member| member.key == key);
+    let mut replaced: Vec<(std::ops::Range<usize>, &[u8])> = Vec::with_capacity(values.len());
+    let mut appended: Vec<(&str, &[u8])> = Vec::new();
+    for &(key, value) in values {
+        match last_of(key).and_then(|index| members.get(index)) {
+            Some(member) => replaced.push((member.value.clone(), value)),
+            None => appended.push((key, value)),
         }
     }
-    serde_json::to_vec(&usage).ok()
+    replaced.sort_by_key(|(range, _)| range.start);
+    let mut out = Vec::with_capacity(text.len() + 64);
+    let mut cursor = 0;
+    for (range, value) in replaced {
+        out.extend_from_slice(text.get(cursor..range.start).unwrap_or_default());
+        out.extend_from_slice(value);
+        cursor = range.end;
+    }
+    let close = object.close_brace();
+    out.extend_from_slice(text.get(cursor..close).unwrap_or_default());
+    let mut separate = !members.is_empty();
+    for (key, value) in appended {
+        if separate {
+            out.push(b',');
+        }
+        separate = true;
+        out.push(b'"');
+        out.extend_from_slice(key.as_bytes());
+        out.extend_from_slice(b"\":");
+        out.extend_from_slice(value);
+    }
+    out.extend_from_slice(text.get(close..).unwrap_or_default());
+    out
 }
 
 /// `object` with its member `key` (an object or null) replaced by `rewrite` of it.
@@ -212,7 +255,7 @@ impl EventStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     const PROMPT: PromptUsage = PromptUsage {
         prompt_tokens: 7,
@@ -265,6 +308,38 @@ mod tests {
             None
         );
         assert_eq!(merge_answer(Api::Completions, b"not json", PROMPT), None);
+    }
+
+    #[test]
+    fn the_usage_keeps_its_order_and_every_other_member() {
+        let answer = br#"{"usage":{"prompt_tokens":7,"total_tokens":12,"completion_tokens":5,"prompt_tokens_details":{"audio_tokens":0,"cached_tokens":7},"extra":[1]}}"#;
+        let merged = merge_answer(Api::Completions, answer, PROMPT).unwrap();
+        assert_eq!(
+            std::str::from_utf8(&merged).unwrap(),
+            r#"{"usage":{"prompt_tokens":7,"total_tokens":12,"completion_tokens":5,"prompt_tokens_details":{"audio_tokens":0,"cached_tokens":2},"extra":[1]}}"#
+        );
+        // Missing counts are added; a null details object becomes one.
+        let sparse = br#"{"usage":{ "completion_tokens" : 5 , "prompt_tokens_details":null }}"#;
+        let merged = value(&merge_answer(Api::Completions, sparse, PROMPT).unwrap());
+        assert_eq!(
+            merged["usage"],
+            json!({"prompt_tokens":7,"completion_tokens":5,"total_tokens":12,
+                   "prompt_tokens_details":{"cached_tokens":2}})
+        );
+        let empty_details = br#"{"usage":{"completion_tokens":1,"prompt_tokens_details":{ }}}"#;
+        let merged = value(&merge_answer(Api::Completions, empty_details, PROMPT).unwrap());
+        assert_eq!(
+            merged["usage"]["prompt_tokens_details"],
+            json!({"cached_tokens":2})
+        );
+        // No output count, or not an integer: nothing to merge.
+        for odd in [
+            &br#"{"usage":{"prompt_tokens":7}}"#[..],
+            br#"{"usage":{"completion_tokens":1.5}}"#,
+            br#"{"usage":{"completion_tokens":-1}}"#,
+        ] {
+            assert_eq!(merge_answer(Api::Completions, odd, PROMPT), None);
+        }
     }
 
     #[test]
