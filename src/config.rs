@@ -309,6 +309,13 @@ impl Config {
                 "decode_cluster must name the decode cluster that KV releases go to".into(),
             ));
         }
+        if raw.release_kv_on_abandon && raw.max_kv_releases_in_flight == 0 {
+            return Err(ConfigError(
+                "max_kv_releases_in_flight must be at least 1 (every release would be dropped); \
+                 to send none, set release_kv_on_abandon to false"
+                    .into(),
+            ));
+        }
         if raw.kv_release_timeout_ms == 0 {
             return Err(ConfigError(
                 "kv_release_timeout_ms must be greater than 0".into(),
@@ -496,6 +503,14 @@ mod tests {
             );
             assert_eq!(config.prefill_time_header, None);
         }
+    }
+
+    #[test]
+    fn a_release_bound_of_zero_is_refused_unless_releases_are_off() {
+        let error = Config::from_json(br#"{"max_kv_releases_in_flight":0}"#).unwrap_err();
+        assert!(error.0.contains("release_kv_on_abandon"), "{}", error.0);
+        let off = br#"{"max_kv_releases_in_flight":0,"release_kv_on_abandon":false}"#;
+        assert!(Config::from_json(off).is_ok());
     }
 
     #[test]

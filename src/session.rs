@@ -873,10 +873,18 @@ impl Session {
                 .and_then(|value| value.split(';').next())
                 .map(str::trim)
                 .unwrap_or_default();
-            if essence.eq_ignore_ascii_case("text/event-stream") && prompt_usage.is_some() {
-                *answer = AnswerRewrite::Events(EventStream::default());
-            } else if essence.eq_ignore_ascii_case("application/json") {
-                *answer = AnswerRewrite::Whole;
+            let rewrite = if essence.eq_ignore_ascii_case("text/event-stream") {
+                prompt_usage
+                    .is_some()
+                    .then(|| AnswerRewrite::Events(EventStream::default()))
+            } else {
+                essence
+                    .eq_ignore_ascii_case("application/json")
+                    .then_some(AnswerRewrite::Whole)
+            };
+            if let Some(rewrite) = rewrite {
+                *answer = rewrite;
+                // The rewritten answer's length differs: Envoy frames it.
                 commands.push(Command::RemoveResponseHeader("content-length".to_owned()));
             }
         }
