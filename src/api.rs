@@ -1,15 +1,26 @@
-//! The OpenAI-style APIs the filter orchestrates.
+//! The generation APIs the filter orchestrates: OpenAI-style, and two more vLLM serves.
 
-/// An OpenAI-style generation API; each caps generation in its own fields.
+/// A generation API; each caps generation in its own fields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
     Completions,
     ChatCompletions,
     Responses,
+    /// vLLM's Anthropic-style Messages API (`/v1/messages`).
+    Messages,
+    /// vLLM's tokens-in, tokens-out API (`/inference/v1/generate`): its limits are in
+    /// `sampling_params`, and its answer counts no usage.
+    Generate,
 }
 
 impl Api {
-    pub const ALL: [Api; 3] = [Api::Completions, Api::ChatCompletions, Api::Responses];
+    pub const ALL: [Api; 5] = [
+        Api::Completions,
+        Api::ChatCompletions,
+        Api::Responses,
+        Api::Messages,
+        Api::Generate,
+    ];
 
     /// The API a configured path serves, told by how the path ends.
     pub fn from_path(path: &str) -> Option<Api> {
@@ -19,6 +30,10 @@ impl Api {
             Some(Api::Completions)
         } else if path.ends_with("/responses") {
             Some(Api::Responses)
+        } else if path.ends_with("/messages") {
+            Some(Api::Messages)
+        } else if path.ends_with("/generate") {
+            Some(Api::Generate)
         } else {
             None
         }
@@ -30,6 +45,8 @@ impl Api {
             Api::Completions => "completions",
             Api::ChatCompletions => "chat_completions",
             Api::Responses => "responses",
+            Api::Messages => "messages",
+            Api::Generate => "generate",
         }
     }
 }

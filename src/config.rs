@@ -78,6 +78,8 @@ impl Default for RawConfig {
                 "/v1/completions".to_owned(),
                 "/v1/chat/completions".to_owned(),
                 "/v1/responses".to_owned(),
+                "/v1/messages".to_owned(),
+                "/inference/v1/generate".to_owned(),
             ],
             kv_stripped_paths: DEFAULT_KV_STRIPPED_PATHS
                 .iter()
@@ -125,11 +127,9 @@ pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
 /// vLLM's generation APIs that the filter does not orchestrate: their requests go to decode
 /// with any client `kv_transfer_params` removed, so that no client can make decode pull KV
 /// from a host of its choosing.
-/// (vLLM 0.33: the Anthropic-style API, the tokens-in API, SageMaker's `/invocations`, which
-/// serves chat or completions by the body's shape, chat batches and the Cohere-style API.)
+/// (vLLM 0.33: SageMaker's `/invocations`, which serves chat or completions by the body's
+/// shape, chat batches and the Cohere-style API.)
 pub const DEFAULT_KV_STRIPPED_PATHS: &[&str] = &[
-    "/v1/messages",
-    "/inference/v1/generate",
     "/invocations",
     "/v1/chat/completions/batch",
     "/cohere/v2/chat",
@@ -241,7 +241,8 @@ impl Config {
             check_plain_path("paths", &path)?;
             let api = Api::from_path(&path).ok_or_else(|| {
                 ConfigError(format!(
-                    "path {path:?} must end in /completions, /chat/completions or /responses"
+                    "path {path:?} must end in /completions, /chat/completions, /responses, \
+                     /messages or /generate"
                 ))
             })?;
             orchestrated_paths.push(OrchestratedPath { path, api });
@@ -492,7 +493,7 @@ mod tests {
             let config = Config::from_json(input).unwrap();
             assert_eq!(config.prefill_cluster, "prefill");
             assert_eq!(config.prefill_timeout, Duration::from_secs(120));
-            assert_eq!(config.orchestrated_paths.len(), 3);
+            assert_eq!(config.orchestrated_paths.len(), 5);
             assert_eq!(
                 config.on_missing_kv_transfer_params,
                 MissingKvPolicy::DecodeOnly
@@ -545,8 +546,10 @@ mod tests {
             config.classify_path("/v1/completions/x"),
             PathVerdict::NotOurs
         );
+        assert_eq!(orchestrated("/v1/messages"), Some(Api::Messages));
+        assert_eq!(orchestrated("/inference/v1/generate"), Some(Api::Generate));
         assert_eq!(
-            config.classify_path("/v1/messages"),
+            config.classify_path("/invocations"),
             PathVerdict::StripKvTransferParams
         );
         assert!(matches!(

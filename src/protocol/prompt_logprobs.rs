@@ -12,7 +12,7 @@ pub fn from_prefill_answer(api: Api, answer: &[u8]) -> Option<Value> {
     let logprobs = match api {
         Api::ChatCompletions => answer.get("prompt_logprobs")?,
         Api::Completions => answer.get("choices")?.get(0)?.get("prompt_logprobs")?,
-        Api::Responses => return None,
+        Api::Responses | Api::Messages | Api::Generate => return None,
     };
     (!logprobs.is_null()).then(|| logprobs.clone())
 }
@@ -34,7 +34,7 @@ pub fn into_answer(api: Api, answer: &[u8], logprobs: &Value) -> Option<Vec<u8>>
                 }
             }
         }
-        Api::Responses => return None,
+        Api::Responses | Api::Messages | Api::Generate => return None,
     }
     serde_json::to_vec(&answer).ok()
 }

@@ -153,7 +153,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
         ClientError::bad_request(format!("request body {what}: {e}"))
     })?;
     refuse_nested_kv_transfer_params(&object)?;
-    let asks_prompt_logprobs = api != Api::Responses
+    let asks_prompt_logprobs = matches!(api, Api::Completions | Api::ChatCompletions)
         && object
             .last_value("prompt_logprobs")
             .is_some_and(|value| value != b"null");
@@ -163,8 +163,13 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
              are computed on prefill; ask for them without stream",
         ));
     }
-    let prefill_body = one_token_splice(api, &object, Edit::Replace(REMOTE_DECODE_REQUEST))
-        .write(json_text(body, json_start), b"");
+    if api == Api::Generate && asks_nested_prompt_logprobs(&object) {
+        return Err(ClientError::bad_request(
+            "sampling_params.prompt_logprobs cannot be served through prefill/decode \
+             disaggregation on this API: decode does not compute the prompt",
+        ));
+    }
+    let prefill_body = one_token_body(api, &object, REMOTE_DECODE_REQUEST);
 
     let has_client_kv = object.has(KV_TRANSFER_PARAMS);
     // Decode on prefill's KV never computes the prompt: its prompt logprobs come from
@@ -261,7 +266,58 @@ pub fn kv_release_body(api: Api, body: &[u8], kv_transfer_params: &[u8]) -> Opti
     };
     let text = json_text(body, json_start);
     let object = JsonObject::parse(text).ok()?;
-    Some(one_token_splice(api, &object, Edit::Slot).write(text, kv_transfer_params))
+    Some(one_token_body(api, &object, kv_transfer_params))
+}
+
+/// The client's body (`object`) capped to one generated token, not streamed, with `kv` as
+/// its `kv_transfer_params`.
+fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
+    let text = object.text();
+    if api != Api::Generate {
+        return one_token_splice(api, object, Edit::Slot).write(text, kv);
+    }
+    // The tokens-in API keeps its limits in `sampling_params`: that object is rewritten
+    // first, then the top level gets the KV parameters.
+    let sampling_params = object
+        .last_value("sampling_params")
+        .and_then(|params| JsonObject::parse(params).ok())
+        .map(|params| one_token_sampling_params(&params));
+    let capped = match sampling_params {
+        Some(params) => object
+            .splice_member("sampling_params", Edit::Slot)
+            .write(text, &params),
+        // Not an object: vLLM refuses the request, prefill tells the client why.
+        None => text.to_vec(),
+    };
+    match JsonObject::parse(&capped) {
+        Ok(capped_object) => one_token_splice(api, &capped_object, Edit::Slot).write(&capped, kv),
+        Err(_) => capped,
+    }
+}
+
+/// `sampling_params` of the tokens-in API capped to one token: one sequence, no minimum.
+fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
+    const ONE: &[u8] = b"1";
+    let edit = |key: &str| match key {
+        "max_tokens" | "n" => Edit::Replace(ONE),
+        "min_tokens" => Edit::Remove,
+        _ => Edit::Keep,
+    };
+    let append: &[(&str, Edit)] = if params.has("max_tokens") {
+        &[]
+    } else {
+        &[("max_tokens", Edit::Replace(ONE))]
+    };
+    params.splice(edit, append).write(params.text(), b"")
+}
+
+/// Whether a tokens-in request asks for prompt logprobs (in its `sampling_params`).
+fn asks_nested_prompt_logprobs(object: &JsonObject) -> bool {
+    object
+        .last_value("sampling_params")
+        .and_then(|params| JsonObject::parse(params).ok())
+        .and_then(|params| params.last_value("prompt_logprobs"))
+        .is_some_and(|value| value != b"null")
 }
 
 /// The path of [`minimal_kv_release_body`]: every vLLM generation server serves it.
@@ -288,13 +344,18 @@ pub fn minimal_kv_release_body(model: Option<&str>, kv_transfer_params: &[u8]) -
     body
 }
 
-/// The client's body capped to one generated token, not streamed, with `kv` as its
-/// `kv_transfer_params` (for prefill: asking for remote decode). Each field that is edited
-/// appears once, however often the client repeated it.
+/// The top level of the client's body capped to one generated token, not streamed, with
+/// `kv` as its `kv_transfer_params` (for prefill: asking for remote decode). Each field that
+/// is edited appears once, however often the client repeated it. The tokens-in API's own
+/// limits are in `sampling_params` ([`one_token_body`]); it has no top-level `max_tokens`.
 fn one_token_splice(api: Api, object: &JsonObject, kv: Edit) -> Splice {
     const ONE: &[u8] = b"1";
     let edit = |key: &str| match key {
-        "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n" => Edit::Replace(ONE),
+        "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n"
+            if api != Api::Generate =>
+        {
+            Edit::Replace(ONE)
+        }
         "stream" => Edit::Replace(b"false"),
         // A background response answers at once, before prefill has run.
         "background" if api == Api::Responses => Edit::Replace(b"false"),
@@ -303,7 +364,9 @@ fn one_token_splice(api: Api, object: &JsonObject, kv: Edit) -> Splice {
         _ => Edit::Keep,
     };
     let mut append: Vec<(&'static str, Edit)> = Vec::with_capacity(4);
-    if !object.has("max_tokens") {
+    // Messages requires max_tokens: without it prefill refuses the request, as decode would.
+    let appends_max_tokens = !matches!(api, Api::Messages | Api::Generate);
+    if appends_max_tokens && !object.has("max_tokens") {
         append.push(("max_tokens", Edit::Replace(ONE)));
     }
     if api == Api::Responses && !object.has("max_output_tokens") {
@@ -391,6 +454,57 @@ mod tests {
         assert_eq!(present["background"], false);
         let not_responses = prefill_json(Api::Completions, r#"{"prompt":"hi"}"#);
         assert!(not_responses.get("max_output_tokens").is_none());
+    }
+
+    #[test]
+    fn messages_are_capped_and_keep_a_missing_max_tokens_missing() {
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":300,"stream":true}"#;
+        assert_eq!(
+            prefill_json(Api::Messages, body),
+            json!({"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1,
+                   "stream":false,"kv_transfer_params":remote_decode()})
+        );
+        // vLLM requires max_tokens here: prefill refuses its absence, as decode would.
+        let missing = prefill_json(Api::Messages, r#"{"model":"m","messages":[]}"#);
+        assert!(missing.get("max_tokens").is_none(), "{missing}");
+    }
+
+    #[test]
+    fn the_tokens_in_api_is_capped_in_its_sampling_params() {
+        let body = r#"{"token_ids":[1,2,3],"sampling_params":{"max_tokens":300,"min_tokens":20,"n":2,"temperature":0.5},"stream":true,"stream_options":{"include_usage":true},"max_tokens":7}"#;
+        let prefill = prefill_json(Api::Generate, body);
+        assert_eq!(
+            prefill,
+            json!({"token_ids":[1,2,3],
+                   "sampling_params":{"max_tokens":1,"n":1,"temperature":0.5},
+                   "stream":false,"max_tokens":7,"kv_transfer_params":remote_decode()})
+        );
+        // Without a limit, one is added where the API reads it.
+        let unlimited = prefill_json(Api::Generate, r#"{"token_ids":[1],"sampling_params":{}}"#);
+        assert_eq!(unlimited["sampling_params"], json!({"max_tokens":1}));
+        assert!(unlimited.get("max_tokens").is_none());
+        // Decode gets the client's own limits.
+        let prepared = prepare(Api::Generate, body.as_bytes()).unwrap();
+        let decode: Value =
+            serde_json::from_slice(&prepared.decode.body_with_kv(body.as_bytes(), b"{}")).unwrap();
+        assert_eq!(decode["sampling_params"]["max_tokens"], 300);
+        assert_eq!(decode["sampling_params"]["min_tokens"], 20);
+        assert_eq!(decode["stream"], true);
+        // Prompt logprobs cannot come from decode on remote KV.
+        let logprobs = r#"{"token_ids":[1],"sampling_params":{"prompt_logprobs":1}}"#;
+        assert_eq!(
+            prepare(Api::Generate, logprobs.as_bytes())
+                .unwrap_err()
+                .status,
+            400
+        );
+        // A KV release of such a request is capped the same way.
+        let release: Value = serde_json::from_slice(
+            &kv_release_body(Api::Generate, body.as_bytes(), br#"{"k":1}"#).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(release["sampling_params"]["max_tokens"], 1);
+        assert_eq!(release["kv_transfer_params"], json!({"k":1}));
     }
 
     #[test]

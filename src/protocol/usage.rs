@@ -13,29 +13,61 @@ pub struct PromptUsage {
     pub cached_tokens: Option<u64>,
 }
 
-/// The names an API gives the counts: prompt, output, and the prompt's details object.
-fn names(api: Api) -> (&'static str, &'static str, &'static str) {
+/// Where an API keeps the counts in its usage object.
+struct Fields {
+    prompt: &'static str,
+    output: &'static str,
+    total: Option<&'static str>,
+    cached: Cached,
+}
+
+/// Where the prompt's prefix-cache hits are counted.
+enum Cached {
+    /// `cached_tokens` in this details object.
+    InDetails(&'static str),
+    /// This member of the usage object itself.
+    Member(&'static str),
+}
+
+/// The usage fields of an API; `None` for one whose answer counts no usage.
+fn fields(api: Api) -> Option<Fields> {
     match api {
-        Api::Responses => ("input_tokens", "output_tokens", "input_tokens_details"),
-        Api::Completions | Api::ChatCompletions => (
-            "prompt_tokens",
-            "completion_tokens",
-            "prompt_tokens_details",
-        ),
+        Api::Completions | Api::ChatCompletions => Some(Fields {
+            prompt: "prompt_tokens",
+            output: "completion_tokens",
+            total: Some("total_tokens"),
+            cached: Cached::InDetails("prompt_tokens_details"),
+        }),
+        Api::Responses => Some(Fields {
+            prompt: "input_tokens",
+            output: "output_tokens",
+            total: Some("total_tokens"),
+            cached: Cached::InDetails("input_tokens_details"),
+        }),
+        Api::Messages => Some(Fields {
+            prompt: "input_tokens",
+            output: "output_tokens",
+            total: None,
+            cached: Cached::Member("cache_read_input_tokens"),
+        }),
+        Api::Generate => None,
     }
 }
 
 /// Prefill's prompt counts, from its (non-streamed) answer.
 pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
+    let fields = fields(api)?;
     let answer = JsonObject::parse(prefill_answer).ok()?;
     let usage = JsonObject::parse(answer.last_value("usage")?).ok()?;
-    let (prompt, _, details) = names(api);
-    let cached_tokens = usage
-        .last_value(details)
-        .and_then(|details| JsonObject::parse(details).ok())
-        .and_then(|details| as_count(details.last_value("cached_tokens")?));
+    let cached_tokens = match fields.cached {
+        Cached::InDetails(details) => usage
+            .last_value(details)
+            .and_then(|details| JsonObject::parse(details).ok())
+            .and_then(|details| as_count(details.last_value("cached_tokens")?)),
+        Cached::Member(member) => usage.last_value(member).and_then(as_count),
+    };
     Some(PromptUsage {
-        prompt_tokens: as_count(usage.last_value(prompt)?)?,
+        prompt_tokens: as_count(usage.last_value(fields.prompt)?)?,
         cached_tokens,
     })
 }
@@ -43,27 +75,36 @@ pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
 /// A usage object with prefill's prompt counts; `None` when it is not one to change. Members
 /// keep their order and spelling; only the counts change (or are added where missing).
 fn merged_usage(api: Api, usage: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
+    let fields = fields(api)?;
     let object = JsonObject::parse(usage).ok()?;
-    let (prompt_name, output_name, details_name) = names(api);
-    let output = as_count(object.last_value(output_name)?)?;
-    let cached = prompt.cached_tokens.unwrap_or(0).to_string();
-    let details = match object.last_value(details_name) {
-        Some(details) if details.starts_with(b"{") => {
-            let details_object = JsonObject::parse(details).ok()?;
-            with_values(&details_object, &[("cached_tokens", cached.as_bytes())])
-        }
-        _ => format!("{{\"cached_tokens\":{cached}}}").into_bytes(),
-    };
+    let output = as_count(object.last_value(fields.output)?)?;
     let prompt_tokens = prompt.prompt_tokens.to_string();
     let total = prompt.prompt_tokens.saturating_add(output).to_string();
-    Some(with_values(
-        &object,
-        &[
-            (prompt_name, prompt_tokens.as_bytes()),
-            ("total_tokens", total.as_bytes()),
-            (details_name, &details),
-        ],
-    ))
+    let cached = prompt.cached_tokens.map(|cached| cached.to_string());
+    let mut values: Vec<(&str, &[u8])> = vec![(fields.prompt, prompt_tokens.as_bytes())];
+    if let Some(name) = fields.total {
+        values.push((name, total.as_bytes()));
+    }
+    let details;
+    match fields.cached {
+        Cached::InDetails(name) => {
+            let cached = cached.as_deref().unwrap_or("0");
+            details = match object.last_value(name) {
+                Some(details) if details.starts_with(b"{") => {
+                    let details_object = JsonObject::parse(details).ok()?;
+                    with_values(&details_object, &[("cached_tokens", cached.as_bytes())])
+                }
+                _ => format!("{{\"cached_tokens\":{cached}}}").into_bytes(),
+            };
+            values.push((name, &details));
+        }
+        Cached::Member(name) => {
+            if let Some(cached) = &cached {
+                values.push((name, cached.as_bytes()));
+            }
+        }
+    }
+    Some(with_values(&object, &values))
 }
 
 /// A token count: a JSON integer that fits in 64 bits.
@@ -138,7 +179,8 @@ pub fn merge_answer(api: Api, answer: &[u8], prompt: PromptUsage) -> Option<Vec<
 pub fn merge_event(api: Api, event: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
     let marker: &[u8] = match api {
         Api::Responses => b"response.completed",
-        Api::Completions | Api::ChatCompletions => b"\"usage\"",
+        Api::Completions | Api::ChatCompletions | Api::Messages => b"\"usage\"",
+        Api::Generate => return None,
     };
     if !contains(event, marker) {
         return None;
@@ -160,6 +202,14 @@ pub fn merge_event(api: Api, event: &[u8], prompt: PromptUsage) -> Option<Vec<u8
         Api::Completions | Api::ChatCompletions => {
             replace_member(json, "usage", |usage| merged_usage(api, usage, prompt))?
         }
+        // `message_start` counts in its message, `message_delta` at the top.
+        Api::Messages => replace_member(json, "usage", |usage| merged_usage(api, usage, prompt))
+            .or_else(|| {
+                replace_member(json, "message", |message| {
+                    replace_member(message, "usage", |usage| merged_usage(api, usage, prompt))
+                })
+            })?,
+        Api::Generate => return None,
     };
     let mut out = Vec::with_capacity(event.len() + 32);
     out.extend_from_slice(event.get(..start + lead)?);
@@ -340,6 +390,39 @@ mod tests {
         ] {
             assert_eq!(merge_answer(Api::Completions, odd, PROMPT), None);
         }
+    }
+
+    #[test]
+    fn messages_count_the_prompt_in_input_tokens_and_cache_reads() {
+        let prefill =
+            br#"{"usage":{"input_tokens":7,"output_tokens":1,"cache_read_input_tokens":2}}"#;
+        assert_eq!(prompt_usage(Api::Messages, prefill), Some(PROMPT));
+        let answer = br#"{"id":"msg_1","usage":{"input_tokens":7,"output_tokens":5,"cache_read_input_tokens":7}}"#;
+        assert_eq!(
+            value(&merge_answer(Api::Messages, answer, PROMPT).unwrap())["usage"],
+            json!({"input_tokens":7,"output_tokens":5,"cache_read_input_tokens":2})
+        );
+        let start = br#"event: message_start
+data: {"type":"message_start","message":{"id":"msg_1","content":[],"usage":{"input_tokens":7,"output_tokens":0,"cache_read_input_tokens":7}}}"#;
+        let merged = String::from_utf8(merge_event(Api::Messages, start, PROMPT).unwrap()).unwrap();
+        let (head, data) = merged.split_once("data: ").unwrap();
+        assert_eq!(head, "event: message_start\n");
+        assert_eq!(
+            value(data.as_bytes())["message"]["usage"]["cache_read_input_tokens"],
+            2
+        );
+        let delta = br#"event: message_delta
+data: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"input_tokens":7,"output_tokens":5,"cache_read_input_tokens":7}}"#;
+        let merged = String::from_utf8(merge_event(Api::Messages, delta, PROMPT).unwrap()).unwrap();
+        assert!(
+            merged.contains(r#""cache_read_input_tokens":2"#),
+            "{merged}"
+        );
+        let text = br#"event: content_block_delta
+data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"usage"}}"#;
+        assert_eq!(merge_event(Api::Messages, text, PROMPT), None);
+        // The tokens-in API counts no usage.
+        assert_eq!(prompt_usage(Api::Generate, prefill), None);
     }
 
     #[test]

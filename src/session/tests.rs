@@ -701,7 +701,7 @@ fn the_reached_host_replaces_a_loopback_remote_host() {
 #[test]
 fn other_generation_apis_lose_client_kv_transfer_params() {
     let mut s = session("");
-    let step = s.on_request_headers(&post("/v1/messages"), false);
+    let step = s.on_request_headers(&post("/invocations"), false);
     assert_eq!(step.flow, Flow::Continue);
     assert_eq!(s.on_request_body(10, true), BodyStep::ReadBody);
     let body = r#"{"model":"m","kv_transfer_params":{"remote_host":"6.6.6.6"}}"#;
@@ -713,7 +713,7 @@ fn other_generation_apis_lose_client_kv_transfer_params() {
     );
 
     let mut s = session("");
-    s.on_request_headers(&post("/v1/messages"), false);
+    s.on_request_headers(&post("/invocations"), false);
     let step = s.on_request_complete(br#"{"model":"m"}"#.to_vec(), at(0));
     assert_eq!(step, Step::new(Flow::Continue, vec![]));
 }
@@ -1014,7 +1014,7 @@ fn the_filters_own_refusals_are_client_errors_of_their_api() {
     let step = s.on_request_headers(&post("//v1/completions"), false);
     assert_eq!(recorded(&step.commands), vec![Metric::BadRequest]);
     let mut s = session(r#"{"max_request_body_bytes":100}"#);
-    s.on_request_headers(&post("/v1/messages"), false);
+    s.on_request_headers(&post("/invocations"), false);
     let BodyStep::Step(step) = s.on_request_body(101, false) else {
         panic!("not refused")
     };
