@@ -29,34 +29,34 @@ enum Cached {
     Member(&'static str),
 }
 
-/// The usage fields of an API; `None` for one whose answer counts no usage.
-fn fields(api: Api) -> Option<Fields> {
+/// The usage fields of an API.
+fn fields(api: Api) -> Fields {
     match api {
-        Api::Completions | Api::ChatCompletions => Some(Fields {
+        // The tokens-in API counts usage in newer vLLM releases only, the way completions do.
+        Api::Completions | Api::ChatCompletions | Api::Generate => Fields {
             prompt: "prompt_tokens",
             output: "completion_tokens",
             total: Some("total_tokens"),
             cached: Cached::InDetails("prompt_tokens_details"),
-        }),
-        Api::Responses => Some(Fields {
+        },
+        Api::Responses => Fields {
             prompt: "input_tokens",
             output: "output_tokens",
             total: Some("total_tokens"),
             cached: Cached::InDetails("input_tokens_details"),
-        }),
-        Api::Messages => Some(Fields {
+        },
+        Api::Messages => Fields {
             prompt: "input_tokens",
             output: "output_tokens",
             total: None,
             cached: Cached::Member("cache_read_input_tokens"),
-        }),
-        Api::Generate => None,
+        },
     }
 }
 
 /// Prefill's prompt counts, from its (non-streamed) answer.
 pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
-    let fields = fields(api)?;
+    let fields = fields(api);
     let answer = JsonObject::parse(prefill_answer).ok()?;
     let usage = JsonObject::parse(answer.last_value("usage")?).ok()?;
     let cached_tokens = match fields.cached {
@@ -75,7 +75,7 @@ pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
 /// A usage object with prefill's prompt counts; `None` when it is not one to change. Members
 /// keep their order and spelling; only the counts change (or are added where missing).
 fn merged_usage(api: Api, usage: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
-    let fields = fields(api)?;
+    let fields = fields(api);
     let object = JsonObject::parse(usage).ok()?;
     let output = as_count(object.last_value(fields.output)?)?;
     let prompt_tokens = prompt.prompt_tokens.to_string();
@@ -179,8 +179,7 @@ pub fn merge_answer(api: Api, answer: &[u8], prompt: PromptUsage) -> Option<Vec<
 pub fn merge_event(api: Api, event: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
     let marker: &[u8] = match api {
         Api::Responses => b"response.completed",
-        Api::Completions | Api::ChatCompletions | Api::Messages => b"\"usage\"",
-        Api::Generate => return None,
+        Api::Completions | Api::ChatCompletions | Api::Messages | Api::Generate => b"\"usage\"",
     };
     if !contains(event, marker) {
         return None;
@@ -199,7 +198,7 @@ pub fn merge_event(api: Api, event: &[u8], prompt: PromptUsage) -> Option<Vec<u8
         Api::Responses => replace_member(json, "response", |response| {
             replace_member(response, "usage", |usage| merged_usage(api, usage, prompt))
         })?,
-        Api::Completions | Api::ChatCompletions => {
+        Api::Completions | Api::ChatCompletions | Api::Generate => {
             replace_member(json, "usage", |usage| merged_usage(api, usage, prompt))?
         }
         // `message_start` counts in its message, `message_delta` at the top.
@@ -209,7 +208,6 @@ pub fn merge_event(api: Api, event: &[u8], prompt: PromptUsage) -> Option<Vec<u8
                     replace_member(message, "usage", |usage| merged_usage(api, usage, prompt))
                 })
             })?,
-        Api::Generate => return None,
     };
     let mut out = Vec::with_capacity(event.len() + 32);
     out.extend_from_slice(event.get(..start + lead)?);
@@ -421,8 +419,10 @@ data: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"input
         let text = br#"event: content_block_delta
 data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"usage"}}"#;
         assert_eq!(merge_event(Api::Messages, text, PROMPT), None);
-        // The tokens-in API counts no usage.
-        assert_eq!(prompt_usage(Api::Generate, prefill), None);
+        // The tokens-in API counts usage (in newer vLLM releases) as completions do.
+        let generate = br#"{"usage":{"prompt_tokens":7,"completion_tokens":1,"total_tokens":8,"prompt_tokens_details":{"cached_tokens":2}}}"#;
+        assert_eq!(prompt_usage(Api::Generate, generate), Some(PROMPT));
+        assert_eq!(prompt_usage(Api::Generate, br#"{"choices":[]}"#), None);
     }
 
     #[test]
