@@ -450,21 +450,26 @@ async fn inference(
 
 fn answer(shared: &Shared, parsed: &Parsed, tokens: Vec<String>, cached_tokens: u64) -> Answer {
     let prefix = match parsed.endpoint {
-        Endpoint::Completions => "cmpl",
-        Endpoint::Chat => "chatcmpl",
-        Endpoint::Responses => "resp",
+        Endpoint::Completions => "cmpl-",
+        Endpoint::Chat => "chatcmpl-",
+        Endpoint::Responses => "resp-",
+        Endpoint::Messages => "msg_",
+        Endpoint::Generate => "gen-",
     };
     let seq = shared.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = format!(
+        "{prefix}mock-{}-{}-{seq}",
+        shared.role.as_str(),
+        shared.port
+    );
     Answer {
         endpoint: parsed.endpoint,
-        id: format!(
-            "{prefix}-mock-{}-{}-{seq}",
-            shared.role.as_str(),
-            shared.port
-        ),
+        // Generate answers with the request's own request_id when it has one.
+        id: parsed.request_id.clone().unwrap_or(id),
         created: now(),
         model: parsed.model.clone(),
         n: parsed.n,
+        limit: parsed.limit,
         prompt_tokens: parsed.prompt_tokens(),
         cached_tokens: cached_tokens.min(parsed.prompt_tokens()),
         tokens,
@@ -539,7 +544,7 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
     if parsed.prompt_logprobs.is_some() {
         let logprobs = parsed.prompt_logprobs_value();
         match parsed.endpoint {
-            Endpoint::Chat => object["prompt_logprobs"] = logprobs,
+            Endpoint::Chat | Endpoint::Generate => object["prompt_logprobs"] = logprobs,
             _ => {
                 if let Some(choices) = object["choices"].as_array_mut() {
                     for choice in choices {

@@ -10,6 +10,10 @@ pub(crate) enum Endpoint {
     Completions,
     Chat,
     Responses,
+    /// vLLM's Anthropic-style Messages API.
+    Messages,
+    /// vLLM's tokens-in/tokens-out API.
+    Generate,
 }
 
 impl Endpoint {
@@ -18,6 +22,8 @@ impl Endpoint {
             "/v1/completions" => Some(Endpoint::Completions),
             "/v1/chat/completions" => Some(Endpoint::Chat),
             "/v1/responses" => Some(Endpoint::Responses),
+            "/v1/messages" => Some(Endpoint::Messages),
+            "/inference/v1/generate" => Some(Endpoint::Generate),
             _ => None,
         }
     }
@@ -35,8 +41,10 @@ pub(crate) struct Parsed {
     pub prompt: String,
     /// `kv_transfer_params` as sent: `None` when absent.
     pub kv: Option<Value>,
-    /// `prompt_logprobs` asked for (completions and chat).
+    /// `prompt_logprobs` asked for (completions, chat and generate).
     pub prompt_logprobs: Option<u64>,
+    /// Generate: the `request_id` the request named.
+    pub request_id: Option<String>,
 }
 
 impl Parsed {
@@ -72,27 +80,14 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
     let obj = value
         .as_object()
         .ok_or("request body must be a JSON object")?;
-    let stream = obj.get("stream") == Some(&Value::Bool(true));
-    let stream_options = obj.get("stream_options").filter(|v| !v.is_null());
-    if stream_options.is_some() && !stream {
-        return Err("Stream options can only be defined when stream=True.".into());
+    match endpoint {
+        Endpoint::Messages => return parse_messages(obj),
+        Endpoint::Generate => return parse_generate(obj),
+        _ => {}
     }
-    let include_usage = stream_options
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-
-    let int = |key: &str| -> Result<Option<i64>, String> {
-        match obj.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_i64()
-                .map(Some)
-                .ok_or_else(|| format!("{key} must be an integer")),
-        }
-    };
+    let (stream, include_usage) = stream_flags(obj)?;
+    let int = |key: &str| int_field(obj, key);
     let (limit_name, limit) = match endpoint {
-        Endpoint::Completions => ("max_tokens", int("max_tokens")?.unwrap_or(16)),
         Endpoint::Chat => match int("max_completion_tokens")? {
             Some(v) => ("max_completion_tokens", v),
             None => ("max_tokens", int("max_tokens")?.unwrap_or(16)),
@@ -100,30 +95,25 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         // max_tokens is not in the Responses schema: only max_output_tokens counts, and
         // without it the limit is "the rest of the context", simulated as 40.
         Endpoint::Responses => ("max_output_tokens", int("max_output_tokens")?.unwrap_or(40)),
+        // Completions.
+        _ => ("max_tokens", int("max_tokens")?.unwrap_or(16)),
     };
-    if limit < 1 {
-        return Err(format!("{limit_name} must be at least 1, got {limit}."));
-    }
+    check_limit(limit_name, limit)?;
     let min = match (int("min_tokens")?, int("min_completion_tokens")?) {
         (Some(a), Some(b)) => Some(a.max(b)),
         (a, b) => a.or(b),
     };
-    if let Some(min) = min.filter(|&m| m > limit) {
-        return Err(format!(
-            "min_tokens must be less than or equal to max_tokens={limit}, got {min}."
-        ));
-    }
+    check_min(min, limit)?;
     let n = match endpoint {
         Endpoint::Responses => 1,
         _ => int("n")?.unwrap_or(1),
     };
-    if n < 1 {
-        return Err(format!("n must be at least 1, got {n}."));
-    }
+    check_n(n)?;
     let prompt = match endpoint {
-        Endpoint::Completions => completion_prompt(obj)?,
         Endpoint::Chat => chat_prompt(obj)?,
         Endpoint::Responses => responses_prompt(obj)?,
+        // Completions.
+        _ => completion_prompt(obj)?,
     };
     Ok(Parsed {
         endpoint,
@@ -139,6 +129,175 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         prompt,
         kv: obj.get("kv_transfer_params").cloned(),
         prompt_logprobs: obj.get("prompt_logprobs").and_then(Value::as_u64),
+        request_id: None,
+    })
+}
+
+/// `stream`, and `stream_options.include_usage` (options only allowed on a stream).
+fn stream_flags(obj: &Map<String, Value>) -> Result<(bool, bool), String> {
+    let stream = obj.get("stream") == Some(&Value::Bool(true));
+    let stream_options = obj.get("stream_options").filter(|v| !v.is_null());
+    if stream_options.is_some() && !stream {
+        return Err("Stream options can only be defined when stream=True.".into());
+    }
+    let include_usage = stream_options
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    Ok((stream, include_usage))
+}
+
+/// An optional integer member of `obj`.
+fn int_field(obj: &Map<String, Value>, key: &str) -> Result<Option<i64>, String> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| format!("{key} must be an integer")),
+    }
+}
+
+fn check_limit(name: &str, limit: i64) -> Result<(), String> {
+    if limit < 1 {
+        return Err(format!("{name} must be at least 1, got {limit}."));
+    }
+    Ok(())
+}
+
+fn check_min(min: Option<i64>, limit: i64) -> Result<(), String> {
+    if let Some(min) = min.filter(|&m| m > limit) {
+        return Err(format!(
+            "min_tokens must be less than or equal to max_tokens={limit}, got {min}."
+        ));
+    }
+    Ok(())
+}
+
+fn check_n(n: i64) -> Result<(), String> {
+    if n < 1 {
+        return Err(format!("n must be at least 1, got {n}."));
+    }
+    Ok(())
+}
+
+/// `POST /v1/messages`: `max_tokens` is required; there is no `n`, `min_tokens` or
+/// `stream_options` (ignored if sent).
+fn parse_messages(obj: &Map<String, Value>) -> Result<Parsed, String> {
+    let model = match obj.get("model") {
+        None | Some(Value::Null) => return Err("model is required".into()),
+        Some(Value::String(s)) if s.is_empty() => return Err("Model is required".into()),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err("model must be a string".into()),
+    };
+    let limit = int_field(obj, "max_tokens")?.ok_or("max_tokens is required")?;
+    if limit < 1 {
+        return Err("max_tokens must be positive".into());
+    }
+    let messages = match obj.get("messages") {
+        None | Some(Value::Null) => return Err("messages is required".into()),
+        Some(Value::Array(messages)) => messages,
+        Some(_) => return Err("messages must be an array of messages".into()),
+    };
+    let mut texts = Vec::new();
+    texts.extend(blocks_text(obj.get("system"), "system")?);
+    for message in messages {
+        let message = message
+            .as_object()
+            .ok_or("each message must be an object")?;
+        match message.get("role").and_then(Value::as_str) {
+            Some("user" | "assistant" | "system") => {}
+            _ => return Err("message role must be 'user', 'assistant' or 'system'".into()),
+        }
+        match blocks_text(message.get("content"), "message content")? {
+            Some(text) => texts.push(text),
+            None => return Err("message content is required".into()),
+        }
+    }
+    Ok(Parsed {
+        endpoint: Endpoint::Messages,
+        stream: obj.get("stream") == Some(&Value::Bool(true)),
+        include_usage: false,
+        limit: limit as u64,
+        n: 1,
+        model,
+        prompt: texts.join("\n"),
+        kv: obj.get("kv_transfer_params").cloned(),
+        prompt_logprobs: None,
+        request_id: None,
+    })
+}
+
+/// Text of an Anthropic `content` or `system`: a string, or content blocks (objects with a
+/// `type`) whose `text` is kept.
+fn blocks_text(content: Option<&Value>, what: &str) -> Result<Option<String>, String> {
+    match content {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Array(blocks)) => {
+            let mut texts = Vec::new();
+            for block in blocks {
+                let block = block
+                    .as_object()
+                    .filter(|b| b.get("type").is_some_and(Value::is_string))
+                    .ok_or_else(|| format!("{what} blocks must be objects with a type"))?;
+                texts.extend(block.get("text").and_then(Value::as_str));
+            }
+            Ok(Some(texts.join("\n")))
+        }
+        Some(_) => Err(format!(
+            "{what} must be a string or an array of content blocks"
+        )),
+    }
+}
+
+/// `POST /inference/v1/generate`: the limits are in `sampling_params` only (a top-level
+/// `max_tokens` is not in the schema, so it is ignored).
+fn parse_generate(obj: &Map<String, Value>) -> Result<Parsed, String> {
+    let (stream, include_usage) = stream_flags(obj)?;
+    let params = match obj.get("sampling_params") {
+        None | Some(Value::Null) => return Err("sampling_params is required".into()),
+        Some(Value::Object(params)) => params,
+        Some(_) => return Err("sampling_params must be an object".into()),
+    };
+    let limit = int_field(params, "max_tokens")?.unwrap_or(16);
+    check_limit("max_tokens", limit)?;
+    check_min(int_field(params, "min_tokens")?, limit)?;
+    let n = int_field(params, "n")?.unwrap_or(1);
+    check_n(n)?;
+    const BAD_IDS: &str = "token_ids must be a non-empty array of non-negative integers";
+    let ids = match obj.get("token_ids") {
+        None | Some(Value::Null) => return Err("token_ids is required".into()),
+        Some(Value::Array(ids)) if !ids.is_empty() => ids,
+        Some(_) => return Err(BAD_IDS.into()),
+    };
+    let ids: Option<Vec<String>> = ids
+        .iter()
+        .map(|v| v.as_u64().map(|i| i.to_string()))
+        .collect();
+    let prompt = ids.ok_or(BAD_IDS)?.join(" ");
+    let request_id = match obj.get("request_id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err("request_id must be a string".into()),
+    };
+    // -1 asks for all of them.
+    let prompt_logprobs = int_field(params, "prompt_logprobs")?.map(|v| v.max(0) as u64);
+    Ok(Parsed {
+        endpoint: Endpoint::Generate,
+        stream,
+        include_usage,
+        limit: limit as u64,
+        n: n as u64,
+        model: obj
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or("mock-model")
+            .to_string(),
+        prompt,
+        kv: obj.get("kv_transfer_params").cloned(),
+        prompt_logprobs,
+        request_id,
     })
 }
 
@@ -245,6 +404,17 @@ pub(crate) fn generate(role_word: &str, prompt: &str, count: u64, garbage: bool)
         .collect()
 }
 
+/// Generate: the id of a generated token (the mock's words as small integers: a number is
+/// itself, GARBAGE is 0, any other word the sum of its bytes).
+pub(crate) fn token_id(token: &str) -> u64 {
+    let word = token.trim();
+    match word.parse() {
+        Ok(id) => id,
+        Err(_) if word == "GARBAGE" => 0,
+        Err(_) => word.bytes().map(u64::from).sum(),
+    }
+}
+
 /// Everything needed to render one answer, streamed or not.
 pub(crate) struct Answer {
     pub endpoint: Endpoint,
@@ -252,6 +422,8 @@ pub(crate) struct Answer {
     pub created: u64,
     pub model: String,
     pub n: u64,
+    /// The request's token limit: a choice that reached it stopped for its length.
+    pub limit: u64,
     pub prompt_tokens: u64,
     /// Prompt tokens found in the prefix cache: under P/D, all of decode's (it counts the
     /// KV pulled from prefill as a hit), and prefill's own hits on prefill.
@@ -260,10 +432,22 @@ pub(crate) struct Answer {
 }
 
 impl Answer {
+    /// Messages and generate: why generation stopped (the others always say "length").
+    fn stop_reason(&self) -> &'static str {
+        let by_limit = self.tokens.len() as u64 >= self.limit;
+        match (self.endpoint, by_limit) {
+            (Endpoint::Messages, true) => "max_tokens",
+            (Endpoint::Messages, false) => "end_turn",
+            (_, true) => "length",
+            (_, false) => "stop",
+        }
+    }
+
     fn usage(&self) -> Value {
         let out = self.tokens.len() as u64 * self.n;
         let total = self.prompt_tokens + out;
         match self.endpoint {
+            Endpoint::Messages => self.message_usage(out),
             Endpoint::Responses => json!({"input_tokens": self.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
@@ -272,6 +456,18 @@ impl Answer {
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 "completion_tokens": out, "total_tokens": total}),
         }
+    }
+
+    fn message_usage(&self, output_tokens: u64) -> Value {
+        json!({"input_tokens": self.prompt_tokens, "output_tokens": output_tokens,
+            "cache_read_input_tokens": self.cached_tokens})
+    }
+
+    /// Messages: the message object, `content` given.
+    fn message(&self, content: Value, stop_reason: Value, usage: Value) -> Value {
+        json!({"id": self.id, "type": "message", "role": "assistant", "content": content,
+            "model": self.model, "stop_reason": stop_reason, "stop_sequence": null,
+            "usage": usage})
     }
 
     /// The non-streamed response object.
@@ -302,19 +498,44 @@ impl Answer {
                     "content": [{"type": "output_text", "text": text, "annotations": []}]}],
                 "usage": self.usage(),
             }),
+            Endpoint::Messages => self.message(
+                json!([{"type": "text", "text": text}]),
+                json!(self.stop_reason()),
+                self.usage(),
+            ),
+            Endpoint::Generate => {
+                let ids: Vec<u64> = self.tokens.iter().map(|t| token_id(t)).collect();
+                json!({"request_id": self.id,
+                    "choices": choices(&|i| json!({"index": i, "logprobs": null,
+                        "finish_reason": self.stop_reason(), "token_ids": ids})),
+                    "prompt_logprobs": null})
+            }
         }
     }
 
     /// The server-sent events of the streamed answer, each a complete `...\n\n` event.
     pub(crate) fn events(&self, include_usage: bool) -> Vec<String> {
         let data = |v: Value| format!("data: {v}\n\n");
+        let event = |kind: &str, v: Value| format!("event: {kind}\ndata: {v}\n\n");
         let last = self.tokens.len().saturating_sub(1);
         let mut events = Vec::new();
+        if self.endpoint == Endpoint::Messages {
+            let start = self.message(json!([]), Value::Null, self.message_usage(0));
+            events.push(event(
+                "message_start",
+                json!({"type": "message_start", "message": start}),
+            ));
+            events.push(event(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": 0,
+                    "content_block": {"type": "text", "text": ""}}),
+            ));
+        }
         for (i, token) in self.tokens.iter().enumerate() {
-            let finish = if i == last {
-                json!("length")
-            } else {
-                Value::Null
+            let finish = match (i == last, self.endpoint) {
+                (false, _) => Value::Null,
+                (true, Endpoint::Generate) => json!(self.stop_reason()),
+                (true, _) => json!("length"),
             };
             for c in 0..self.n {
                 events.push(match self.endpoint {
@@ -337,6 +558,14 @@ impl Answer {
                         "event: response.output_text.delta\ndata: {}\n\n",
                         json!({"type": "response.output_text.delta", "delta": token})
                     ),
+                    Endpoint::Messages => event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": 0,
+                            "delta": {"type": "text_delta", "text": token}}),
+                    ),
+                    Endpoint::Generate => data(json!({"request_id": self.id,
+                        "choices": [{"index": c, "logprobs": null, "finish_reason": finish,
+                            "token_ids": [token_id(token)]}]})),
                 });
             }
         }
@@ -345,6 +574,21 @@ impl Answer {
                 "event: response.completed\ndata: {}\n\n",
                 json!({"type": "response.completed", "response": self.object()})
             )),
+            Endpoint::Messages => {
+                events.push(event(
+                    "content_block_stop",
+                    json!({"type": "content_block_stop", "index": 0}),
+                ));
+                events.push(event(
+                    "message_delta",
+                    json!({"type": "message_delta",
+                        "delta": {"stop_reason": self.stop_reason(), "stop_sequence": null},
+                        "usage": self.usage()}),
+                ));
+                events.push(event("message_stop", json!({"type": "message_stop"})));
+            }
+            // The tokens API has no usage.
+            Endpoint::Generate => events.push("data: [DONE]\n\n".to_string()),
             _ => {
                 if include_usage {
                     let object = match self.endpoint {
@@ -443,5 +687,325 @@ mod tests {
         assert_eq!(p.fingerprint(), "cbf29ce484222325"); // FNV-1a of ""
         let err = parse(Endpoint::Completions, br#"{"prompt":"a","max_tokens":0}"#).unwrap_err();
         assert_eq!(err, "max_tokens must be at least 1, got 0.");
+    }
+
+    fn parse_err(endpoint: Endpoint, body: Value) -> String {
+        parse(endpoint, body.to_string().as_bytes()).unwrap_err()
+    }
+
+    fn parse_ok(endpoint: Endpoint, body: Value) -> Parsed {
+        parse(endpoint, body.to_string().as_bytes()).unwrap()
+    }
+
+    fn answer(parsed: &Parsed, tokens: Vec<String>, cached_tokens: u64) -> Answer {
+        Answer {
+            endpoint: parsed.endpoint,
+            id: parsed.request_id.clone().unwrap_or("id-1".into()),
+            created: 7,
+            model: parsed.model.clone(),
+            n: parsed.n,
+            limit: parsed.limit,
+            prompt_tokens: parsed.prompt_tokens(),
+            cached_tokens,
+            tokens,
+        }
+    }
+
+    /// Splits SSE text into (event name, data) pairs.
+    fn sse(events: &[String]) -> Vec<(Option<String>, String)> {
+        events
+            .iter()
+            .map(|e| {
+                let e = e
+                    .strip_suffix("\n\n")
+                    .expect("event ends with a blank line");
+                match e.split_once('\n') {
+                    Some((name, data)) => (
+                        Some(name.strip_prefix("event: ").unwrap().to_string()),
+                        data.strip_prefix("data: ").unwrap().to_string(),
+                    ),
+                    None => (None, e.strip_prefix("data: ").unwrap().to_string()),
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn messages_validation() {
+        let m = Endpoint::Messages;
+        let ok = json!({"model": "m", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}]});
+        let with = |key: &str, value: Value| {
+            let mut body = ok.clone();
+            match value {
+                Value::Null => {
+                    body.as_object_mut().unwrap().remove(key);
+                }
+                value => body[key] = value,
+            }
+            body
+        };
+        assert_eq!(
+            parse_err(m, with("max_tokens", Value::Null)),
+            "max_tokens is required"
+        );
+        assert_eq!(
+            parse_err(m, with("max_tokens", json!(0))),
+            "max_tokens must be positive"
+        );
+        assert_eq!(
+            parse_err(m, with("max_tokens", json!(-3))),
+            "max_tokens must be positive"
+        );
+        assert_eq!(
+            parse_err(m, with("max_tokens", json!("4"))),
+            "max_tokens must be an integer"
+        );
+        assert_eq!(
+            parse_err(m, with("model", Value::Null)),
+            "model is required"
+        );
+        assert_eq!(parse_err(m, with("model", json!(""))), "Model is required");
+        assert_eq!(
+            parse_err(m, with("messages", Value::Null)),
+            "messages is required"
+        );
+        assert!(parse(m, with("messages", json!("hi")).to_string().as_bytes()).is_err());
+        let bad_role = with("messages", json!([{"role": "tool", "content": "x"}]));
+        assert!(parse_err(m, bad_role).contains("role"));
+        let no_content = with("messages", json!([{"role": "user"}]));
+        assert_eq!(parse_err(m, no_content), "message content is required");
+        let bad_block = with("messages", json!([{"role": "user", "content": ["x"]}]));
+        assert!(parse_err(m, bad_block).contains("blocks"));
+        assert!(parse_err(m, with("system", json!(3))).starts_with("system"));
+        // Not in the schema: no n, no min_tokens, no stream_options.
+        let mut body = with("n", json!(0));
+        body["min_tokens"] = json!(99);
+        body["stream_options"] = json!({"include_usage": true});
+        let p = parse_ok(m, body);
+        assert_eq!(
+            (p.limit, p.n, p.stream, p.include_usage),
+            (4, 1, false, false)
+        );
+        assert_eq!(p.prompt_logprobs, None);
+    }
+
+    #[test]
+    fn messages_prompt_and_kv() {
+        let body = json!({"model": "claude", "max_tokens": 9, "stream": true,
+            "system": [{"type": "text", "text": "be brief"}],
+            "messages": [{"role": "user", "content": "why is"},
+                {"role": "assistant", "content": [{"type": "text", "text": "the sky"},
+                    {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
+            "kv_transfer_params": {"do_remote_decode": true},
+            "temperature": 0.5, "top_k": 3, "stop_sequences": ["x"], "metadata": {}});
+        let p = parse_ok(Endpoint::Messages, body);
+        assert_eq!(p.prompt, "be brief\nwhy is\nthe sky");
+        assert_eq!((p.limit, p.stream, p.model.as_str()), (9, true, "claude"));
+        assert_eq!(p.kv, Some(json!({"do_remote_decode": true})));
+        let p = parse_ok(
+            Endpoint::Messages,
+            json!({"model": "m", "max_tokens": 1, "system": "sys",
+                "messages": [{"role": "user", "content": "a"}]}),
+        );
+        assert_eq!(p.prompt, "sys\na");
+    }
+
+    #[test]
+    fn messages_answer_and_usage() {
+        let p = parse_ok(
+            Endpoint::Messages,
+            json!({"model": "m", "max_tokens": 3,
+                "messages": [{"role": "user", "content": "one two three four"}]}),
+        );
+        let tokens = generate("decode", &p.prompt, p.limit, false);
+        let a = answer(&p, tokens, 4);
+        assert_eq!(
+            a.object(),
+            json!({"id": "id-1", "type": "message", "role": "assistant",
+                "content": [{"type": "text", "text": "mock decode answer "}],
+                "model": "m", "stop_reason": "max_tokens", "stop_sequence": null,
+                "usage": {"input_tokens": 4, "output_tokens": 3, "cache_read_input_tokens": 4}})
+        );
+        // Fewer tokens than the limit (prefill stops at 40): the turn ended.
+        let a = answer(&p, generate("prefill", &p.prompt, 2, false), 0);
+        assert_eq!(a.object()["stop_reason"], "end_turn");
+        assert_eq!(a.object()["usage"]["output_tokens"], 2);
+        assert_eq!(a.object()["usage"]["cache_read_input_tokens"], 0);
+    }
+
+    #[test]
+    fn messages_event_sequence() {
+        let p = parse_ok(
+            Endpoint::Messages,
+            json!({"model": "m", "max_tokens": 2, "stream": true,
+                "messages": [{"role": "user", "content": "a b c"}]}),
+        );
+        let a = answer(&p, generate("decode", &p.prompt, 2, false), 3);
+        let events = sse(&a.events(true));
+        let names: Vec<&str> = events.iter().map(|(n, _)| n.as_deref().unwrap()).collect();
+        assert_eq!(
+            names,
+            [
+                "message_start",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_delta",
+                "content_block_stop",
+                "message_delta",
+                "message_stop"
+            ]
+        );
+        let data: Vec<Value> = events
+            .iter()
+            .map(|(_, d)| serde_json::from_str(d).unwrap())
+            .collect();
+        for (name, value) in names.iter().zip(&data) {
+            assert_eq!(value["type"], *name);
+        }
+        assert_eq!(
+            data[0]["message"],
+            json!({"id": "id-1", "type": "message", "role": "assistant", "content": [],
+                "model": "m", "stop_reason": null, "stop_sequence": null,
+                "usage": {"input_tokens": 3, "output_tokens": 0, "cache_read_input_tokens": 3}})
+        );
+        assert_eq!(
+            data[1],
+            json!({"type": "content_block_start", "index": 0,
+                "content_block": {"type": "text", "text": ""}})
+        );
+        assert_eq!(
+            data[2],
+            json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": "mock "}})
+        );
+        assert_eq!(data[3]["delta"]["text"], "decode ");
+        assert_eq!(data[4], json!({"type": "content_block_stop", "index": 0}));
+        assert_eq!(
+            data[5],
+            json!({"type": "message_delta",
+                "delta": {"stop_reason": "max_tokens", "stop_sequence": null},
+                "usage": {"input_tokens": 3, "output_tokens": 2, "cache_read_input_tokens": 3}})
+        );
+        assert_eq!(data[6], json!({"type": "message_stop"}));
+    }
+
+    #[test]
+    fn generate_validation() {
+        let g = Endpoint::Generate;
+        assert_eq!(
+            parse_err(g, json!({"token_ids": [1]})),
+            "sampling_params is required"
+        );
+        assert_eq!(
+            parse_err(g, json!({"token_ids": [1], "sampling_params": [1]})),
+            "sampling_params must be an object"
+        );
+        let bad = "token_ids must be a non-empty array of non-negative integers";
+        for ids in [json!([]), json!([1, -2]), json!("1 2"), json!([1.5])] {
+            let body = json!({"token_ids": ids, "sampling_params": {}});
+            assert_eq!(parse_err(g, body), bad);
+        }
+        assert_eq!(
+            parse_err(g, json!({"sampling_params": {}})),
+            "token_ids is required"
+        );
+        let body = json!({"token_ids": [1], "sampling_params": {"max_tokens": 0}});
+        assert_eq!(parse_err(g, body), "max_tokens must be at least 1, got 0.");
+        let body = json!({"token_ids": [1], "sampling_params": {"max_tokens": 2, "min_tokens": 3}});
+        assert_eq!(
+            parse_err(g, body),
+            "min_tokens must be less than or equal to max_tokens=2, got 3."
+        );
+        let body = json!({"token_ids": [1], "sampling_params": {"n": 0}});
+        assert_eq!(parse_err(g, body), "n must be at least 1, got 0.");
+        let body = json!({"token_ids": [1], "sampling_params": {},
+            "stream_options": {"include_usage": true}});
+        assert_eq!(
+            parse_err(g, body),
+            "Stream options can only be defined when stream=True."
+        );
+        let body = json!({"token_ids": [1], "sampling_params": {}, "request_id": 5});
+        assert_eq!(parse_err(g, body), "request_id must be a string");
+    }
+
+    #[test]
+    fn generate_limits_live_in_sampling_params() {
+        let g = Endpoint::Generate;
+        // A top-level max_tokens (or min_tokens, n) is not in the schema: ignored.
+        let p = parse_ok(
+            g,
+            json!({"token_ids": [5, 6, 7], "max_tokens": 1, "min_tokens": 99, "n": 0,
+                "sampling_params": {"temperature": 0}}),
+        );
+        assert_eq!((p.limit, p.n), (16, 1));
+        assert_eq!((p.prompt.as_str(), p.prompt_tokens()), ("5 6 7", 3));
+        assert_eq!(
+            (p.model.as_str(), p.request_id.as_deref()),
+            ("mock-model", None)
+        );
+        let p = parse_ok(
+            g,
+            json!({"token_ids": [1], "model": "m", "request_id": "r-1", "stream": true,
+                "stream_options": {"include_usage": true}, "cache_salt": "s", "priority": 0,
+                "kv_transfer_params": {"do_remote_decode": true},
+                "sampling_params": {"max_tokens": 3, "min_tokens": 3, "n": 2,
+                    "prompt_logprobs": 1}}),
+        );
+        assert_eq!((p.limit, p.n, p.stream), (3, 2, true));
+        assert_eq!(
+            (p.model.as_str(), p.request_id.as_deref()),
+            ("m", Some("r-1"))
+        );
+        assert_eq!(p.prompt_logprobs, Some(1));
+        assert_eq!(p.kv, Some(json!({"do_remote_decode": true})));
+        // The same ids as a completions prompt give the same fingerprint.
+        let c = parse_ok(Endpoint::Completions, json!({"prompt": [1]}));
+        assert_eq!(p.fingerprint(), c.fingerprint());
+    }
+
+    #[test]
+    fn generate_answer_and_events() {
+        let p = parse_ok(
+            Endpoint::Generate,
+            json!({"token_ids": [42, 7], "request_id": "r-9",
+                "sampling_params": {"max_tokens": 5, "n": 2}}),
+        );
+        let a = answer(&p, generate("decode", &p.prompt, p.limit, false), 2);
+        // mock decode answer for 42 mock: words as small integers, numbers as themselves.
+        let ids = json!([426, 612, 656, 327, 42]);
+        assert_eq!(
+            a.object(),
+            json!({"request_id": "r-9", "prompt_logprobs": null, "choices": [
+                {"index": 0, "logprobs": null, "finish_reason": "length", "token_ids": ids},
+                {"index": 1, "logprobs": null, "finish_reason": "length", "token_ids": ids}]})
+        );
+        assert!(a.object().get("usage").is_none());
+        let garbage = answer(&p, generate("decode", &p.prompt, 3, true), 0);
+        assert_eq!(
+            garbage.object()["choices"][0]["token_ids"],
+            json!([0, 0, 0])
+        );
+        assert_eq!(garbage.object()["choices"][0]["finish_reason"], "stop");
+
+        let a = answer(&p, generate("decode", &p.prompt, 2, false), 0);
+        let events = sse(&a.events(true));
+        assert_eq!(events.len(), 5, "{events:?}");
+        assert!(events.iter().all(|(name, _)| name.is_none()));
+        assert_eq!(events[4].1, "[DONE]");
+        let chunks: Vec<Value> = events[..4]
+            .iter()
+            .map(|(_, d)| serde_json::from_str(d).unwrap())
+            .collect();
+        assert_eq!(
+            chunks[0],
+            json!({"request_id": "r-9", "choices": [{"index": 0, "logprobs": null,
+                "finish_reason": null, "token_ids": [426]}]})
+        );
+        assert_eq!(chunks[1]["choices"][0]["index"], 1);
+        assert_eq!(
+            chunks[3]["choices"][0],
+            json!({"index": 1, "logprobs": null, "finish_reason": "stop", "token_ids": [612]})
+        );
     }
 }

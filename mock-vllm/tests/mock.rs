@@ -261,3 +261,296 @@ async fn requests_are_filtered_by_id() {
     assert_eq!(list[0]["role"], "decode");
     assert_eq!(list[0]["body"], body.to_string());
 }
+
+/// The `(event name, data)` pairs of an SSE body (`None` for data-only events).
+fn sse(body: &str) -> Vec<(Option<String>, String)> {
+    body.split_terminator("\n\n")
+        .map(|event| {
+            let mut name = None;
+            let mut data = String::new();
+            for line in event.lines() {
+                if let Some(n) = line.strip_prefix("event: ") {
+                    name = Some(n.to_string());
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    data = d.to_string();
+                }
+            }
+            (name, data)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn messages_pd_exchange() {
+    let p = server(Role::Prefill).await;
+    let d = server(Role::Decode).await;
+    let original = json!({"model": "m", "max_tokens": 4, "system": "be brief",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "why is the sky blue"}]}]});
+    let mut leg = original.clone();
+    leg["max_tokens"] = json!(1);
+    leg["kv_transfer_params"] = prefill_kv();
+    let reply = post(p.port(), "/v1/messages", &leg, Some("m-1")).await;
+    assert_eq!(reply.status, 200);
+    let pv = reply.json();
+    assert_eq!(pv["type"], "message");
+    assert!(pv["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(pv["content"], json!([{"type": "text", "text": "mock "}]));
+    assert_eq!(pv["stop_reason"], "max_tokens");
+    assert_eq!(
+        pv["usage"],
+        json!({"input_tokens": 7, "output_tokens": 1, "cache_read_input_tokens": 0})
+    );
+    let kv = pv["kv_transfer_params"].clone();
+    assert_eq!(kv["do_remote_prefill"], true);
+    assert_eq!(kv["remote_num_tokens"], 8);
+    assert_eq!(p.kv_ledger().issued, 1);
+    assert_eq!(p.requests_with_id("m-1")[0].path, "/v1/messages");
+
+    let mut decode_body = original.clone();
+    decode_body["kv_transfer_params"] = kv.clone();
+    let reply = post(d.port(), "/v1/messages", &decode_body, None).await;
+    assert_eq!(reply.header("x-mock-kv").as_deref(), Some("reused"));
+    let v = reply.json();
+    assert_eq!(v["content"][0]["text"], "mock decode answer for ");
+    assert_eq!(v["stop_reason"], "max_tokens");
+    assert_eq!(
+        v["usage"],
+        json!({"input_tokens": 7, "output_tokens": 4, "cache_read_input_tokens": 7})
+    );
+    assert!(v.get("kv_transfer_params").is_none());
+    let ledger = p.kv_ledger();
+    assert_eq!((ledger.issued, ledger.read, ledger.stranded), (1, 1, 0));
+
+    // Streamed decode: Anthropic events, usage in message_start and message_delta.
+    decode_body["stream"] = json!(true);
+    let reply = post(d.port(), "/v1/messages", &decode_body, None).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        reply.header("content-type").as_deref(),
+        Some("text/event-stream")
+    );
+    assert_eq!(reply.header("x-mock-kv").as_deref(), Some("reused"));
+    let events = sse(&reply.body);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_deref().unwrap()).collect();
+    assert_eq!(names.len(), 9, "{names:?}");
+    assert_eq!(names[..2], ["message_start", "content_block_start"]);
+    assert!(names[2..6].iter().all(|n| *n == "content_block_delta"));
+    assert_eq!(
+        names[6..],
+        ["content_block_stop", "message_delta", "message_stop"]
+    );
+    assert!(!reply.body.contains("[DONE]"));
+    let start: Value = serde_json::from_str(&events[0].1).unwrap();
+    assert_eq!(start["message"]["usage"]["cache_read_input_tokens"], 7);
+    assert_eq!(start["message"]["usage"]["output_tokens"], 0);
+    let delta: Value = serde_json::from_str(&events[7].1).unwrap();
+    assert_eq!(
+        delta["usage"],
+        json!({"input_tokens": 7, "output_tokens": 4, "cache_read_input_tokens": 7})
+    );
+
+    // KV that is not this prompt's: garbage, as on the other APIs.
+    decode_body["stream"] = json!(false);
+    decode_body["kv_transfer_params"]["remote_num_tokens"] = json!(9);
+    let reply = post(d.port(), "/v1/messages", &decode_body, None).await;
+    assert_eq!(reply.header("x-mock-kv").as_deref(), Some("mismatch"));
+    assert_eq!(reply.json()["content"][0]["text"], "GARBAGE ".repeat(4));
+    assert_eq!(reply.json()["usage"]["cache_read_input_tokens"], 0);
+}
+
+#[tokio::test]
+async fn messages_prefill_faults_and_errors() {
+    let p = server(Role::Prefill).await;
+    let d = server(Role::Decode).await;
+    let body = json!({"model": "m", "max_tokens": 50, "kv_transfer_params": prefill_kv(),
+        "messages": [{"role": "user", "content": "a b c mock:prefill_cached_tokens=2"}]});
+    let v = post(p.port(), "/v1/messages", &body, None).await.json();
+    // Prefill stops at 40 tokens: before the limit, so the turn ended.
+    assert_eq!(v["stop_reason"], "end_turn");
+    assert_eq!(
+        v["usage"],
+        json!({"input_tokens": 4, "output_tokens": 40, "cache_read_input_tokens": 2})
+    );
+    assert_eq!(v["kv_transfer_params"]["remote_num_tokens"], 44);
+
+    // Streamed prefill answers carry no kv_transfer_params.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let reply = post(p.port(), "/v1/messages", &streamed, None).await;
+    assert_eq!(reply.status, 200);
+    assert!(reply.body.starts_with("event: message_start\n"));
+    assert!(!reply.body.contains("kv_transfer_params"));
+    assert_eq!(p.kv_ledger().issued, 1);
+
+    let mut no_kv = body.clone();
+    no_kv["kv_transfer_params"] = json!({"do_remote_decode": false});
+    let v = post(p.port(), "/v1/messages", &no_kv, None).await.json();
+    assert_eq!(v["kv_transfer_params"], Value::Null);
+
+    let mut missing = body.clone();
+    missing.as_object_mut().unwrap().remove("max_tokens");
+    let reply = post(p.port(), "/v1/messages", &missing, None).await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(
+        reply.json(),
+        json!({"error": {"message": "max_tokens is required", "type": "BadRequestError",
+            "param": null, "code": 400}})
+    );
+    missing["max_tokens"] = json!(0);
+    let reply = post(p.port(), "/v1/messages", &missing, None).await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(
+        reply.json()["error"]["message"],
+        "max_tokens must be positive"
+    );
+
+    let failing = json!({"model": "m", "max_tokens": 1,
+        "messages": [{"role": "user", "content": "mock:prefill_status=503"}]});
+    let reply = post(p.port(), "/v1/messages", &failing, None).await;
+    assert_eq!(reply.status, 503);
+    assert_eq!(reply.json()["error"]["code"], 503);
+
+    let cut = json!({"model": "m", "max_tokens": 5, "stream": true,
+        "messages": [{"role": "user", "content": "mock:decode_reset_mid_stream"}]});
+    let reply = post(d.port(), "/v1/messages", &cut, None).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.body.matches("event: ").count(), 2);
+    assert!(!reply.body.contains("message_stop"));
+}
+
+#[tokio::test]
+async fn generate_pd_exchange() {
+    let p = server(Role::Prefill).await;
+    let d = server(Role::Decode).await;
+    let original = json!({"token_ids": [101, 7, 2023, 9], "model": "m",
+        "sampling_params": {"max_tokens": 5, "temperature": 0}});
+    let mut leg = original.clone();
+    leg["sampling_params"]["max_tokens"] = json!(1);
+    leg["kv_transfer_params"] = prefill_kv();
+    leg["request_id"] = json!("gen-42");
+    let reply = post(p.port(), "/inference/v1/generate", &leg, Some("g-1")).await;
+    assert_eq!(reply.status, 200);
+    let pv = reply.json();
+    assert_eq!(pv["request_id"], "gen-42");
+    assert_eq!(
+        pv["choices"],
+        json!([{"index": 0, "logprobs": null, "finish_reason": "length", "token_ids": [426]}])
+    );
+    assert_eq!(pv["prompt_logprobs"], Value::Null);
+    assert!(pv.get("usage").is_none());
+    let kv = pv["kv_transfer_params"].clone();
+    assert_eq!(kv["remote_num_tokens"], 5);
+    assert_eq!(p.requests_with_id("g-1")[0].path, "/inference/v1/generate");
+
+    let mut decode_body = original.clone();
+    decode_body["kv_transfer_params"] = kv;
+    let reply = post(d.port(), "/inference/v1/generate", &decode_body, None).await;
+    assert_eq!(reply.header("x-mock-kv").as_deref(), Some("reused"));
+    let v = reply.json();
+    assert!(v["request_id"]
+        .as_str()
+        .unwrap()
+        .starts_with("gen-mock-decode-"));
+    assert_eq!(
+        v["choices"][0]["token_ids"],
+        json!([426, 612, 656, 327, 101])
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let ledger = p.kv_ledger();
+    assert_eq!((ledger.issued, ledger.read, ledger.stranded), (1, 1, 0));
+
+    // Streamed: one data chunk per token, then [DONE]; no usage even when asked for.
+    decode_body["stream"] = json!(true);
+    decode_body["stream_options"] = json!({"include_usage": true});
+    decode_body["sampling_params"]["max_tokens"] = json!(2);
+    let reply = post(d.port(), "/inference/v1/generate", &decode_body, None).await;
+    assert_eq!(
+        reply.header("content-type").as_deref(),
+        Some("text/event-stream")
+    );
+    // Decode's own limit does not matter: the KV is this prompt's.
+    assert_eq!(reply.header("x-mock-kv").as_deref(), Some("reused"));
+    let events = sse(&reply.body);
+    assert_eq!(events.len(), 3, "{events:?}");
+    assert!(events.iter().all(|(name, _)| name.is_none()));
+    assert_eq!(events[2].1, "[DONE]");
+    let last: Value = serde_json::from_str(&events[1].1).unwrap();
+    assert_eq!(
+        last["choices"],
+        json!([{"index": 0, "logprobs": null, "finish_reason": "length", "token_ids": [612]}])
+    );
+    assert!(!reply.body.contains("usage"));
+
+    // Another prompt's KV: an obviously wrong sequence.
+    decode_body["stream"] = json!(false);
+    decode_body
+        .as_object_mut()
+        .unwrap()
+        .remove("stream_options");
+    decode_body["token_ids"] = json!([1, 2, 3, 4]);
+    let reply = post(d.port(), "/inference/v1/generate", &decode_body, None).await;
+    assert_eq!(reply.header("x-mock-kv").as_deref(), Some("mismatch"));
+    assert_eq!(reply.json()["choices"][0]["token_ids"], json!([0, 0]));
+}
+
+#[tokio::test]
+async fn generate_limits_and_prompt_logprobs() {
+    let p = server(Role::Prefill).await;
+    let d = server(Role::Decode).await;
+    // A top-level max_tokens is not in the schema: prefill generates the default 16.
+    let leg = json!({"token_ids": [3, 4], "max_tokens": 1, "sampling_params": {},
+        "kv_transfer_params": prefill_kv()});
+    let v = post(p.port(), "/inference/v1/generate", &leg, None)
+        .await
+        .json();
+    assert_eq!(v["choices"][0]["token_ids"].as_array().unwrap().len(), 16);
+    assert_eq!(v["kv_transfer_params"]["remote_num_tokens"], 18);
+    // ... so decode cannot use that KV for the same prompt.
+    let decode_body = json!({"token_ids": [3, 4], "sampling_params": {"max_tokens": 1},
+        "kv_transfer_params": v["kv_transfer_params"]});
+    let reply = post(d.port(), "/inference/v1/generate", &decode_body, None).await;
+    assert_eq!(reply.header("x-mock-kv").as_deref(), Some("mismatch"));
+
+    let leg = json!({"token_ids": [3, 4, 5], "kv_transfer_params": prefill_kv(),
+        "sampling_params": {"max_tokens": 1, "prompt_logprobs": 1, "n": 2}});
+    let v = post(p.port(), "/inference/v1/generate", &leg, None)
+        .await
+        .json();
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+    let logprobs = v["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(logprobs.len(), 3);
+    assert_eq!(logprobs[0], Value::Null);
+    assert_eq!(logprobs[1]["1001"]["decoded_token"], "4");
+    assert!(v["choices"][0].get("prompt_logprobs").is_none());
+
+    let mut decode_body = leg.clone();
+    decode_body["kv_transfer_params"] = v["kv_transfer_params"].clone();
+    let reply = post(d.port(), "/inference/v1/generate", &decode_body, None).await;
+    assert_eq!(reply.status, 400);
+    assert!(reply.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("prompt_logprobs"));
+
+    let bad = json!({"token_ids": [1], "sampling_params": {"max_tokens": 1, "min_tokens": 200}});
+    let reply = post(p.port(), "/inference/v1/generate", &bad, None).await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(
+        reply.json(),
+        json!({"error": {"message": "min_tokens must be less than or equal to max_tokens=1, got 200.",
+            "type": "BadRequestError", "param": null, "code": 400}})
+    );
+    let reply = post(
+        p.port(),
+        "/inference/v1/generate",
+        &json!({"token_ids": [1]}),
+        None,
+    )
+    .await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(
+        reply.json()["error"]["message"],
+        "sampling_params is required"
+    );
+    assert_eq!(p.requests().len(), 4);
+}
