@@ -247,3 +247,116 @@ async fn a_streamed_token_reaches_the_client_while_the_next_is_generated() {
         );
     }
 }
+
+/// The data of each event of a server-sent stream, parsed.
+fn events(stream: &str) -> Vec<Value> {
+    stream
+        .split("\n\n")
+        .filter_map(|event| event.lines().find_map(|l| l.strip_prefix("data: ")))
+        .filter_map(|data| serde_json::from_str::<Value>(data).ok())
+        .collect()
+}
+
+#[tokio::test]
+async fn vllms_messages_api_runs_prefill_then_decode_and_counts_like_one_vllm() {
+    let h = harness();
+    for stream in [false, true] {
+        let id = unique_id("messages");
+        let text = format!("tell me about messages mock:prefill_cached_tokens={PREFILL_CACHED}");
+        let sent = json!({"model": "m", "max_tokens": 5, "stream": stream,
+                          "messages": [{"role": "user", "content": text}]});
+        let reply = Request::post("default", "/v1/messages")
+            .id(&id)
+            .body(sent.to_string())
+            .send()
+            .await;
+        let case = format!("stream={stream}");
+        assert_eq!(reply.status, 200, "{case}: {}", reply.body);
+        assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+        let prefill = h.only_prefill(&id).json();
+        assert_eq!(prefill["max_tokens"], 1, "{case}: {prefill}");
+        assert_eq!(prefill["stream"], false, "{case}");
+        assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
+        let decode = h.only_decode(&id).json();
+        assert_eq!(decode["max_tokens"], 5, "{case}");
+        assert_eq!(decode["stream"], stream, "{case}");
+        assert_eq!(decode["messages"], sent["messages"], "{case}");
+
+        let prompt_words = text.split_whitespace().count() as u64;
+        let usages: Vec<Value> = if stream {
+            let events = events(&reply.body);
+            let deltas = events
+                .iter()
+                .filter(|e| e["type"] == "content_block_delta")
+                .count();
+            assert_eq!(deltas, 5, "{case}: {}", reply.body);
+            assert_eq!(events.last().unwrap()["type"], "message_stop");
+            events
+                .iter()
+                .filter_map(|e| e.get("usage").or_else(|| e["message"].get("usage")))
+                .cloned()
+                .collect()
+        } else {
+            vec![reply.json()["usage"].clone()]
+        };
+        assert_eq!(usages.len(), if stream { 2 } else { 1 }, "{case}");
+        for usage in &usages {
+            assert_eq!(usage["input_tokens"], prompt_words, "{case}: {usage}");
+            assert_eq!(
+                usage["cache_read_input_tokens"], PREFILL_CACHED,
+                "{case}: {usage}"
+            );
+        }
+        assert_eq!(usages.last().unwrap()["output_tokens"], 5, "{case}");
+    }
+}
+
+#[tokio::test]
+async fn vllms_tokens_in_api_is_capped_in_sampling_params_and_runs_prefill_then_decode() {
+    let h = harness();
+    for stream in [false, true] {
+        let id = unique_id("generate");
+        let sent = json!({"token_ids": [101, 102, 103],
+                          "sampling_params": {"max_tokens": 5, "min_tokens": 3, "temperature": 0},
+                          "max_tokens": 99, "stream": stream});
+        let reply = Request::post("default", "/inference/v1/generate")
+            .id(&id)
+            .body(sent.to_string())
+            .send()
+            .await;
+        let case = format!("stream={stream}");
+        assert_eq!(reply.status, 200, "{case}: {}", reply.body);
+        assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+        let prefill = h.only_prefill(&id).json();
+        assert_eq!(
+            prefill["sampling_params"],
+            json!({"max_tokens": 1, "temperature": 0}),
+            "{case}"
+        );
+        assert_eq!(prefill["max_tokens"], 99, "{case}: not this API's limit");
+        assert_eq!(prefill["stream"], false, "{case}");
+        assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
+        let decode = h.only_decode(&id).json();
+        assert_eq!(decode["sampling_params"], sent["sampling_params"], "{case}");
+        assert_eq!(decode["stream"], stream, "{case}");
+
+        let token_ids: Vec<Value> = if stream {
+            assert!(reply.body.ends_with("data: [DONE]\n\n"), "{case}");
+            events(&reply.body)
+                .iter()
+                .flat_map(|e| e["choices"][0]["token_ids"].as_array().cloned().unwrap())
+                .collect()
+        } else {
+            reply.json()["choices"][0]["token_ids"]
+                .as_array()
+                .cloned()
+                .unwrap()
+        };
+        // The mock decode's own five tokens for this prompt (all 0 on a KV mismatch).
+        assert_eq!(
+            token_ids,
+            vec![json!(426), json!(612), json!(656), json!(327), json!(101)],
+            "{case}"
+        );
+    }
+}
