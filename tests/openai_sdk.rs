@@ -1,6 +1,7 @@
 //! The OpenAI Python SDK (from PyPI, installed into `.venv` by `make python-deps`) drives all
-//! three APIs through the filter, streamed and not, and gets typed errors
-//! (scripts/openai_sdk_check.py).
+//! three OpenAI APIs through the filter, streamed and not, and gets typed errors
+//! (scripts/openai_sdk_check.py); the Anthropic SDK does the same with vLLM's `/v1/messages`
+//! (scripts/anthropic_sdk_check.py).
 
 mod common;
 
@@ -16,23 +17,31 @@ fn python() -> PathBuf {
         .unwrap_or_else(|| repo_root().join(".venv/bin/python"))
 }
 
-#[test]
-fn the_openai_sdk_sees_one_vllm() {
-    let h = harness();
-    let base_url = h.url("default", "/v1");
+/// Runs a check script of `scripts/` against `base_url`; every line it prints must be an `ok`.
+fn run_check(script: &str, base_url: &str) {
     let output = Command::new(python())
-        .arg(repo_root().join("scripts/openai_sdk_check.py"))
-        .arg(&base_url)
+        .arg(repo_root().join("scripts").join(script))
+        .arg(base_url)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {:?} ({e}); run `make python-deps`", python()));
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
         output.status.success(),
-        "the SDK check failed:\n{stdout}\n{stderr}"
+        "{script} failed:\n{stdout}\n{stderr}"
     );
     assert!(
-        stdout.lines().all(|line| line.starts_with("ok ")),
+        !stdout.trim().is_empty() && stdout.lines().all(|line| line.starts_with("ok ")),
         "{stdout}"
     );
+}
+
+#[test]
+fn the_openai_sdk_sees_one_vllm() {
+    run_check("openai_sdk_check.py", &harness().url("default", "/v1"));
+}
+
+#[test]
+fn the_anthropic_sdk_sees_one_vllm() {
+    run_check("anthropic_sdk_check.py", &harness().url("default", ""));
 }
