@@ -190,7 +190,13 @@ impl Record {
 // ----------------------------------------------------------------------------------------
 // Generating requests
 
-const ORCHESTRATED: &[&str] = &["/v1/completions", "/v1/chat/completions", "/v1/responses"];
+const ORCHESTRATED: &[&str] = &[
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/inference/v1/generate",
+];
 /// Paths the filter passes through (not the mocks' `/mock/requests`, which dumps their log).
 const OTHER_PATHS: &[&str] = &[
     "/v1/models",
@@ -454,7 +460,7 @@ fn object_body(rng: &mut Rng, case: u64, path: &str, marker: &str, marked: &mut 
     if all || endpoint == "/v1/completions" {
         members.push(("prompt".into(), text.clone()));
     }
-    if all || endpoint == "/v1/chat/completions" {
+    if all || endpoint == "/v1/chat/completions" || endpoint == "/v1/messages" {
         members.push((
             "messages".into(),
             format!("[{{\"role\":\"user\",\"content\":{text}}}]"),
@@ -462,6 +468,24 @@ fn object_body(rng: &mut Rng, case: u64, path: &str, marker: &str, marked: &mut 
     }
     if all || endpoint == "/v1/responses" {
         members.push(("input".into(), text.clone()));
+    }
+    if all || endpoint == "/inference/v1/generate" {
+        members.push(("token_ids".into(), "[101,102,103]".into()));
+        let sampling_params = [
+            r#"{"max_tokens":3}"#,
+            r#"{"max_tokens":3,"min_tokens":2,"n":2}"#,
+            r#"{"max_tokens":3,"max_tokens":900}"#,
+            r#"{"max_tokens":"x"}"#,
+            "null",
+            "[]",
+            r#"{"kv_transfer_params":{"remote_host":"6.6.6.6"}}"#,
+        ];
+        let value = if rng.percent(60) {
+            sampling_params[0]
+        } else {
+            rng.pick(&sampling_params)
+        };
+        members.push(("sampling_params".into(), value.to_owned()));
     }
     // A clean request takes the first (valid) value of each member it has.
     let clean = rng.percent(45);
