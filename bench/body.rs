@@ -4,7 +4,7 @@
 //!
 //! A chat-completions request whose user message is filler prose with the escapes a real
 //! prompt has (`\n` at each line end, now and then a quoted `\"word\"`), padded so that the
-//! whole body is exactly the size asked for.
+//! whole body is exactly the size asked for; streamed (with the usage chunk) or not.
 
 /// The body sizes of the benchmarks: about 1 KB, 64 KB and 1 MB.
 pub const SIZES: &[(&str, usize)] = &[("1KB", 1024), ("64KB", 65_536), ("1MB", 1_048_576)];
@@ -45,10 +45,24 @@ const WORDS: &[&str] = &[
     "engine",
 ];
 
+const HEAD: &[u8] = br#"{"model":"bench-model","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":""#;
+
 /// A chat-completions body of exactly `size` bytes (at least 200).
 pub fn chat_body(size: usize) -> Vec<u8> {
-    let head = br#"{"model":"bench-model","messages":[{"role":"system","content":"You are a helpful assistant."},{"role":"user","content":""#;
     let tail = br#""}],"max_tokens":16,"temperature":0.7,"top_p":0.95,"min_tokens":2}"#;
+    padded(HEAD, tail, size)
+}
+
+/// The same request streamed, with the usage chunk asked for: exactly `size` bytes (at
+/// least 250). Only the bench backend writes it (the `1KB-stream` workload).
+#[allow(dead_code)]
+pub fn chat_stream_body(size: usize) -> Vec<u8> {
+    let tail = br#""}],"max_tokens":16,"temperature":0.7,"top_p":0.95,"min_tokens":2,"stream":true,"stream_options":{"include_usage":true}}"#;
+    padded(HEAD, tail, size)
+}
+
+/// `head`, filler prose, `tail`: exactly `size` bytes, or the least that holds some prose.
+fn padded(head: &[u8], tail: &[u8], size: usize) -> Vec<u8> {
     let size = size.max(head.len() + tail.len() + 8);
     let room = size - head.len() - tail.len();
 

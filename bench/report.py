@@ -16,8 +16,15 @@ from collections import defaultdict
 from pathlib import Path
 
 TARGETS = [("direct", "backend directly"), ("plain", "Envoy, plain route"), ("filter", "Envoy + pd-filter"),
+           ("merge_off", "Envoy + pd-filter, usage: decode"),
+           ("release_off", "Envoy + pd-filter, release_kv_on_abandon: false"),
            ("router", "vllm-router (P/D)")]
-CPU_TARGET = {"1KB": 1.25, "64KB": 1.25, "1MB": 1.5}
+# Targets that do prefill/decode: the backend sees one prefill and one decode with KV per request.
+PD_TARGETS = ("filter", "merge_off", "release_off", "router")
+# filter CPU / (2 x plain CPU), per body size; none for the streamed workload.
+CPU_TARGET = {"1KB": 1.15, "64KB": 1.15, "1MB": 1.3}
+# What a feature may add to the filter's CPU per request: feature on / feature off.
+FEATURE_TARGET = 1.05
 MIB = 1024 * 1024
 
 
@@ -53,6 +60,66 @@ def cell(values, fmt):
     if len(values) > 1:
         shown += " (med " + fmt.format(median(values)) + ")"
     return shown or "-"
+
+
+def load_memory(out):
+    """memory.tsv: snapshot name -> {rss_kb, hwm_kb, wasm_kb}; empty when there is none."""
+    path = out / "memory.tsv"
+    if not path.exists():
+        return {}
+    return {r["when"]: {k: int(v) for k, v in r.items() if k != "when"}
+            for r in csv.DictReader(open(path), delimiter="\t")}
+
+
+def wasm_growth(mem, target, conns):
+    """MiB of wasm linear memory per in-flight request over `target`'s first 1 MB load: its
+    snapshot after that load against the one just before it (only its own VM was busy)."""
+    before, after = mem.get(f"before_warmup_1MB_{target}"), mem.get(f"after_warmup_1MB_{target}")
+    if not before or not after:
+        return None
+    return (after["wasm_kb"] - before["wasm_kb"]) / 1024 / conns
+
+
+def feature_costs(rows, sizes, mem, conns, pick):
+    """The section on what usage merging and KV release tracking cost: the filter with its
+    defaults against the listener with the one feature off, ratio within each repetition.
+    Returns the lines for "Against the targets"."""
+    features = [
+        ("Usage merge", "merge_off",
+         "`\"usage\":\"merge\"` (the default) against `\"usage\":\"decode\"` (decode's answer goes on unchanged)",
+         "workload"),
+        ("KV release tracking", "release_off",
+         "`\"release_kv_on_abandon\":true` (the default) against `false`, on requests whose clients stay",
+         "body"),
+    ]
+    present = [f for f in features if any(r["target"] == f[1] for r in rows)]
+    if not present:
+        return []
+    verdicts = []
+    print("### What the features cost (ratios within each repetition, then the median)\n")
+    print(f"The filter with its defaults (`filter`) over the same filter with one feature off, both in the same Envoy,"
+          f" each in its own VM; CPU is the proxy's CPU-seconds per request at {conns} connections. The target: at most"
+          f" {FEATURE_TARGET} on CPU.\n")
+    for title, off, what, column in present:
+        print(f"**{title}**: {what}.\n")
+        print(f"| {column} | CPU per request: filter / {off} | 1 conn p50: filter / {off} | target (CPU) | met |")
+        print("| --- | --- | --- | --- | --- |")
+        for size in [s for s in sizes if pick("c32", off, s, "cpu_per_1000")]:
+            cpu = [f / o for f, o in zip(pick("c32", "filter", size, "cpu_per_1000"),
+                                          pick("c32", off, size, "cpu_per_1000")) if o > 0]
+            p50 = [f / o for f, o in zip(pick("c1", "filter", size, "p50_us"), pick("c1", off, size, "p50_us")) if o > 0]
+            met = bool(cpu) and median(cpu) <= FEATURE_TARGET
+            print(f"| {size} | {cell(cpu, '{:.3f}')} | {cell(p50, '{:.3f}')} | <= {FEATURE_TARGET} | {'met' if met else 'MISSED'} |")
+            verdicts.append(f"{title} at {size}: CPU per request {median(cpu):.3f} x without it"
+                            f" (target <= {FEATURE_TARGET}): {'met' if met else 'MISSED'}")
+        print()
+        if off == "release_off":
+            grown = {t: wasm_growth(mem, t, conns) for t in ("filter", off)}
+            if all(v is not None for v in grown.values()):
+                print(f"Wasm linear memory grown over each listener's first 1 MB load at {conns} connections, per in-flight"
+                      f" 1 MiB request (after that load against just before it; each listener has its own VM): filter"
+                      f" {grown['filter']:.2f} MiB, {off} {grown[off]:.2f} MiB.\n")
+    return verdicts
 
 
 def report(directory):
@@ -126,6 +193,8 @@ def report(directory):
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for size in sizes:
         for target, name in targets:
+            if not any(r["target"] == target and r["size"] == size and r["phase"] in ("c1", "c32") for r in rows):
+                continue
             cpu = "-" if target == "direct" else cell(pick("c32", target, size, "cpu_per_1000"), "{:.3f}")
             print(f"| {size} | {name} | {cell([v / 1000 for v in pick('c1', target, size, 'p50_us')], '{:.2f}')} "
                   f"| {cell([v / 1000 for v in pick('c1', target, size, 'p99_us')], '{:.2f}')} "
@@ -143,11 +212,17 @@ def report(directory):
         f50, p50, d50 = (pick("c1", t, size, "p50_us") for t in ("filter", "plain", "direct"))
         added = [(f - p) / 1000 for f, p in zip(f50, p50)]
         beyond = [(f - p - d) / 1000 for f, p, d in zip(f50, p50, d50)]
-        target = CPU_TARGET.get(size, 1.25)
+        target = CPU_TARGET.get(size)
+        if target is None:  # the streamed workload: shown, no target
+            print(f"| {size} | {cell(ratios, '{:.2f}')} | - | - | {cell(added, '{:.2f}')} | {cell(beyond, '{:.2f}')} |")
+            continue
         met = "yes" if ratios and median(ratios) <= target else "NO"
         verdicts.append((size, median(ratios) if ratios else float("nan"), target, met))
         print(f"| {size} | {cell(ratios, '{:.2f}')} | <= {target} | {met} | {cell(added, '{:.2f}')} | {cell(beyond, '{:.2f}')} |")
     print()
+
+    mem = load_memory(out)
+    feature_verdicts = feature_costs(rows, sizes, mem, conns, pick)
 
     # pd-filter against vllm-router, both doing P/D against the same backend.
     if any(t == "router" for t, _ in targets):
@@ -155,7 +230,7 @@ def report(directory):
         print("Below 1 is better for pd-filter in every column but req/s, where above 1 is.\n")
         print(f"| body | CPU per request | {conns} conn req/s | {conns} conn p99 | 1 conn p50 | 1 conn p99 | pd-filter ahead on all five |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
-        for size in sizes:
+        for size in [s for s in sizes if pick("c32", "router", s, "rps")]:
             columns = [("c32", "cpu_per_1000", False), ("c32", "rps", True), ("c32", "p99_us", False),
                        ("c1", "p50_us", False), ("c1", "p99_us", False)]
             shown, ahead = [], True
@@ -177,7 +252,7 @@ def report(directory):
     for row in rows:
         if row["errors"] > 0:
             problems.append(f"{row['phase']} {row['target']} {row['size']} c{int(row['conns'])}: {int(row['errors'])} errors")
-        if row["target"] in ("filter", "router") and row["phase"] != "warmup":
+        if row["target"] in PD_TARGETS and row["phase"] != "warmup":
             slack = row["conns"] + 1
             if (abs(row["prefill"] - row["requests"]) > slack or abs(row["decode_kv"] - row["requests"]) > slack
                     or row["decode_plain"] > 0):
@@ -189,22 +264,21 @@ def report(directory):
         for p in problems:
             print(f"- PROBLEM: {p}")
     else:
-        print("- no errors (non-2xx, resets, timeouts) in any run; through the filter (and vllm-router) the backend saw"
-              " one prefill and one decode carrying prefill's kv_transfer_params per request")
+        print("- no errors (non-2xx, resets, timeouts) in any run; through each filter listener (and vllm-router) the"
+              " backend saw one prefill and one decode carrying prefill's kv_transfer_params per request")
     backend = [r["backend_cpu_per_1000"] for r in rows if r["phase"] == "c32" and r["target"] == "direct"]
     if backend:
         by_size = ", ".join(
-            f"{s} {cell(pick('c32', 'direct', s, 'backend_cpu_per_1000'), '{:.3f}')}" for s in sizes)
+            f"{s} {cell(pick('c32', 'direct', s, 'backend_cpu_per_1000'), '{:.3f}')}" for s in sizes
+            if pick("c32", "direct", s, "backend_cpu_per_1000"))
         print(f"- bench backend CPU-s per 1,000 requests when hit directly: {by_size}")
     print()
 
     # Memory.
-    mem_path = out / "memory.tsv"
-    if mem_path.exists():
-        mem = {r["when"]: {k: int(v) for k, v in r.items() if k != "when"}
-               for r in csv.DictReader(open(mem_path), delimiter="\t")}
+    if mem:
         print("### Memory\n")
-        before = mem.get("after_warmup_1MB_plain")
+        # Older files have no before_warmup_* snapshots: the plain route's came right before.
+        before = mem.get("before_warmup_1MB_filter", mem.get("after_warmup_1MB_plain"))
         after = mem.get("after_warmup_1MB_filter")
         hwm_plain = pick("c32", "plain", "1MB", "hwm_kb")
         hwm_filter = pick("c32", "filter", "1MB", "hwm_kb")
@@ -218,7 +292,9 @@ def report(directory):
                   f" i.e. {grown / conns:.2f} MiB per in-flight 1 MiB request")
         if hwm_plain and hwm_filter:
             print(f"- Envoy peak RSS during the 1 MB, {conns}-connection runs: plain {cell([v / 1024 for v in hwm_plain], '{:.0f}')} MiB,"
-                  f" filter {cell([v / 1024 for v in hwm_filter], '{:.0f}')} MiB")
+                  f" filter {cell([v / 1024 for v in hwm_filter], '{:.0f}')} MiB"
+                  + "".join(f", {t} {cell([v / 1024 for v in pick('c32', t, '1MB', 'hwm_kb')], '{:.0f}')} MiB"
+                            for t in ("release_off",) if pick("c32", t, "1MB", "hwm_kb")))
         hwm_router = pick("c32", "router", "1MB", "hwm_kb")
         if hwm_router:
             print(f"- vllm-router peak RSS during the 1 MB, {conns}-connection runs: {cell([v / 1024 for v in hwm_router], '{:.0f}')} MiB")
@@ -239,6 +315,8 @@ def report(directory):
     print("### Against the targets\n")
     for size, ratio, target, met in verdicts:
         print(f"- CPU per P/D request at {size}: {ratio:.2f} x the floor (target <= {target}): {'met' if met == 'yes' else 'MISSED'}")
+    for line in feature_verdicts:
+        print(f"- {line}")
     for step, name in (("scan", "scan"), ("pd_request", "scan, rewrite and injection (whole request)")):
         if micro.get(("1MB", step)):
             rate = median(micro[("1MB", step)])
@@ -251,7 +329,7 @@ def report(directory):
               f"{'met' if ratio <= 1.5 else 'MISSED'}")
     router_rows = [r for r in rows if r["target"] == "router"]
     if router_rows:
-        for size in sizes:
+        for size in [s for s in sizes if pick("c32", "router", s, "rps")]:
             checks = []
             for phase, key, higher in (("c32", "cpu_per_1000", False), ("c32", "rps", True), ("c32", "p99_us", False),
                                        ("c1", "p50_us", False), ("c1", "p99_us", False)):

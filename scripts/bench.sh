@@ -1,24 +1,33 @@
 #!/usr/bin/env bash
-# make bench: the cost of the filter, on loopback, in one go (a full run takes about 8 minutes).
+# make bench: the cost of the filter, on loopback, in one go (a full run takes about 15 minutes).
 #
 #   1. native micro-benchmark of the rewrite and the injection (benches/rewrite.rs), MB/s;
 #   2. one bench backend (mock-vllm/src/bin/bench-backend.rs: reads the whole body, then
-#      answers as prefill or decode; a decode port and a prefill port), one Envoy
-#      (bench/envoy-bench.yaml) with a plain-route listener and a filter listener, and
-#      vllm-router (PyPI `vllm-router`, in its own venv) in P/D mode, all routed to that backend;
-#   3. for each body size (1 KB, 64 KB, 1 MB) and each target (the backend directly, Envoy's
-#      plain route, Envoy with the filter, vllm-router): wrk at 1 connection (p50, p99) and at
-#      32 connections (requests/s, p99, CPU seconds per 1,000 requests of the proxy process,
-#      Envoy or vllm-router, from /proc); all of it BENCH_REPS times, interleaved, so ratios are
-#      taken within one repetition and medians over the repetitions;
-#   4. memory: Envoy's RSS and the filter's wasm linear memory around a 1 MB load, then
-#      before and after a long run (BENCH_SOAK_SECS);
-#   5. the table and the ratios against the targets (bench/report.py).
+#      answers as prefill or decode, decode with server-sent events when the body asks for a
+#      stream; a decode port and a prefill port), one Envoy (bench/envoy-bench.yaml) with a
+#      plain-route listener and three filter listeners (the defaults, `filter`; "usage":"decode",
+#      `merge_off`; "release_kv_on_abandon":false, `release_off`), and vllm-router (PyPI
+#      `vllm-router`, in its own venv) in P/D mode, all routed to that backend;
+#   3. for each workload and each of its targets (targets_for below): wrk at 1 connection
+#      (p50, p99) and at 32 connections (requests/s, p99, CPU seconds per 1,000 requests of the
+#      proxy process, Envoy or vllm-router, from /proc); all of it BENCH_REPS times,
+#      interleaved, so ratios are taken within one repetition and medians over the repetitions.
+#      The workloads: the chat body at each size of BENCH_SIZES (1 KB, 64 KB, 1 MB) against the
+#      backend directly, Envoy's plain route, `filter`, `release_off` and vllm-router, plus
+#      `merge_off` at 1 KB; and, when 1 KB is among the sizes, `1KB-stream` (the 1 KB body with
+#      "stream":true and the usage chunk asked for) against the plain route, `filter` and
+#      `merge_off`;
+#   4. memory: Envoy's RSS and the filter's wasm linear memory before and after each target's
+#      first 1 MB load, then before and after a long run (BENCH_SOAK_SECS);
+#   5. the table, the ratios against the targets and what usage merging and KV release
+#      tracking cost (bench/report.py).
 #
 # Environment (all optional): ENVOY (binary), BENCH_REPS (3), BENCH_C1_SECS (3),
 # BENCH_C32_SECS (5), BENCH_SOAK_SECS (120), BENCH_CONNS (32), BENCH_CONCURRENCY (Envoy
 # workers, 1), BENCH_PIN (1: Envoy on CPU 1, backend and wrk on CPU 0), BENCH_MICRO (1),
-# BENCH_SIZES ("1KB:1024 64KB:65536 1MB:1048576"), BENCH_PORT_BASE (19000), BENCH_OUT
+# BENCH_SIZES ("1KB:1024 64KB:65536 1MB:1048576"; LABEL:BYTES; without a 1KB entry there is
+# neither `merge_off` nor `1KB-stream`), BENCH_PORT_BASE (19000; it and the next four ports,
+# +100, +101, +901 and +902 are used), BENCH_OUT
 # (target/bench), BENCH_ROUTER (1: measure vllm-router too), BENCH_ROUTER_VERSION (0.1.17),
 # BENCH_VENV (target/bench-venv: where pip installs vllm-router). Raw figures land in
 # $BENCH_OUT/*.tsv.
@@ -47,6 +56,8 @@ path=/v1/chat/completions
 plain_port=$port_base
 filter_port=$((port_base + 1))
 router_port=$((port_base + 2))
+merge_off_port=$((port_base + 3))
+release_off_port=$((port_base + 4))
 backend_port=$((port_base + 100))
 prefill_port=$((port_base + 101))
 admin_port=$((port_base + 901))
@@ -67,8 +78,8 @@ fi
 [ -x "$envoy_bin" ] || die "no envoy at $envoy_bin (make envoy)"
 [ -f "$wasm" ] || die "no filter at $wasm (make build)"
 command -v python3 >/dev/null || die "python3 is needed for the report"
-for port in $plain_port $filter_port $router_port $backend_port $prefill_port $admin_port \
-    $router_metrics_port; do
+for port in $plain_port $filter_port $router_port $merge_off_port $release_off_port \
+    $backend_port $prefill_port $admin_port $router_metrics_port; do
     if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
         die "port $port is in use (set BENCH_PORT_BASE)"
     fi
@@ -147,8 +158,19 @@ if [ "$micro" = 1 ]; then
 fi
 
 # --- 2. backend and Envoy ---------------------------------------------------------------------
+# The workloads, LABEL:BYTES: the sizes, and the 1 KB body streamed right after the 1 KB one.
+workloads=""
 for entry in $sizes; do
-    "$backend_bin" body "${entry##*:}" "$out/body-${entry%%:*}.json"
+    workloads="$workloads $entry"
+    [ "${entry%%:*}" = 1KB ] && workloads="$workloads 1KB-stream:${entry##*:}"
+done
+workloads=${workloads# }
+for entry in $workloads; do
+    label=${entry%%:*}
+    case $label in
+        *-stream) "$backend_bin" body "${entry##*:}" "$out/body-$label.json" stream ;;
+        *) "$backend_bin" body "${entry##*:}" "$out/body-$label.json" ;;
+    esac
 done
 
 pids=()
@@ -168,7 +190,8 @@ backend_pid=$!
 pids+=("$backend_pid")
 
 sed -e "s|@ADMIN_PORT@|$admin_port|" -e "s|@PLAIN_PORT@|$plain_port|" \
-    -e "s|@FILTER_PORT@|$filter_port|" -e "s|@BACKEND_PORT@|$backend_port|" \
+    -e "s|@FILTER_PORT@|$filter_port|" -e "s|@MERGE_OFF_PORT@|$merge_off_port|" \
+    -e "s|@RELEASE_OFF_PORT@|$release_off_port|" -e "s|@BACKEND_PORT@|$backend_port|" \
     -e "s|@PREFILL_PORT@|$prefill_port|" \
     -e "s|@WASM@|$wasm|" bench/envoy-bench.yaml >"$out/envoy.yaml"
 "${on_envoy_cpu[@]}" "$envoy_bin" -c "$out/envoy.yaml" --concurrency "$concurrency" \
@@ -191,7 +214,6 @@ done
 # a prefix tree of every prompt), warnings only (Envoy runs at -l warn), its Prometheus
 # listener moved off the default port.
 router_pid=""
-targets="direct plain filter"
 if [ -z "$router_note" ]; then
     "${on_envoy_cpu[@]}" "$router_bin" --vllm-pd-disaggregation \
         --prefill "http://127.0.0.1:$prefill_port" --decode "http://127.0.0.1:$backend_port" \
@@ -206,9 +228,7 @@ if [ -z "$router_note" ]; then
         kill -0 "$router_pid" 2>/dev/null || break
         sleep 0.2
     done
-    if [ "${code:-}" = 200 ]; then
-        targets="direct plain filter router"
-    else
+    if [ "${code:-}" != 200 ]; then
         router_note="vllm-router did not start: $(grep -v '^\s*$' "$out/router.log" | tail -n1)"
         say "vllm-router: $router_note"
         kill "$router_pid" 2>/dev/null || true
@@ -226,9 +246,30 @@ clk_tck=$(getconf CLK_TCK)
 port_of() {
     case $1 in
         direct) echo "$backend_port" ;;
-        plain | filter) [ "$1" = plain ] && echo "$plain_port" || echo "$filter_port" ;;
+        plain) echo "$plain_port" ;;
+        filter) echo "$filter_port" ;;
+        merge_off) echo "$merge_off_port" ;;
+        release_off) echo "$release_off_port" ;;
         router) echo "$router_port" ;;
     esac
+}
+# The targets of a workload, in the order they run. The filter's variants run next to it, so
+# that each A/B pair is measured minutes apart at most. release_off (no KV release tracking)
+# at every size: what tracking costs requests whose clients stay. merge_off (decode's usage
+# as it is) at 1 KB, JSON and streamed: what the usage merge costs. The stream goes through
+# the proxies only.
+targets_for() {
+    local router_target=""
+    [ -n "$router_pid" ] && router_target=" router"
+    case $1 in
+        1KB) echo "direct plain filter merge_off release_off$router_target" ;;
+        *-stream) echo "plain filter merge_off" ;;
+        *) echo "direct plain filter release_off$router_target" ;;
+    esac
+}
+# Targets doing P/D: the backend must see one prefill and one decode with its KV per request.
+is_pd() {
+    case $1 in filter | merge_off | release_off | router) return 0 ;; *) return 1 ;; esac
 }
 # The process whose CPU a target costs: Envoy, or vllm-router; none for the backend.
 proxy_pid_of() {
@@ -238,25 +279,60 @@ proxy_pid_of() {
     esac
 }
 
-# Sanity: each target answers 200 for each size, and through the filter and the router decode
-# gets the KV parameters prefill issued.
-for entry in $sizes; do
+# "prompt_tokens cached_tokens" of the usage chunk in a file of server-sent events.
+usage_of() {
+    python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith("data: {") and "\"usage\"" in line:
+        u = json.loads(line[6:])["usage"]
+        print(u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])' "$1"
+}
+
+# Sanity: each target answers 200 for each workload, and through the filters and the router
+# decode gets the KV parameters prefill issued. A streamed request comes back as server-sent
+# events to the end, and the usage chunk through `filter` carries prefill's prompt counts,
+# through `merge_off` decode's.
+for entry in $workloads; do
     label=${entry%%:*}
-    for target in $targets; do
+    for target in $(targets_for "$label"); do
         port=$(port_of "$target")
         before=$(stats)
-        code=$(curl -s -o "$out/sanity.json" -w '%{http_code}' "http://127.0.0.1:$port$path" \
-            -H 'content-type: application/json' --data-binary "@$out/body-$label.json")
-        [ "$code" = 200 ] || die "$label to port $port answered $code: $(head -c 300 "$out/sanity.json")"
-        if [ "$target" = filter ] || [ "$target" = router ]; then
+        answer=$out/sanity-$label-$target.txt
+        reply=$(curl -s -m 60 -o "$answer" -w '%{http_code} %{content_type}' "http://127.0.0.1:$port$path" \
+            -H 'content-type: application/json' --data-binary "@$out/body-$label.json") && rc=0 || rc=$?
+        [ "$rc" = 0 ] || die "$label to $target (port $port): curl exit status $rc (28: no complete answer in 60 s)"
+        [ "${reply%% *}" = 200 ] || die "$label to $target (port $port) answered ${reply%% *}: $(head -c 300 "$answer")"
+        if is_pd "$target"; then
             after=$(stats)
             kv=$(($(stat_field "$after" decode_with_kv) - $(stat_field "$before" decode_with_kv)))
             pf=$(($(stat_field "$after" prefill) - $(stat_field "$before" prefill)))
             [ "$kv" = 1 ] && [ "$pf" = 1 ] || die "$label through $target: prefill $pf, decode with kv $kv"
         fi
+        case $label in
+            *-stream)
+                case ${reply#* } in
+                    text/event-stream*) ;;
+                    *) die "$label through $target: content-type ${reply#* }, not text/event-stream" ;;
+                esac
+                [ "$(tail -c 14 "$answer")" = "data: [DONE]" ] ||
+                    die "$label through $target: no [DONE] at the end: $(tail -c 300 "$answer")"
+                ;;
+        esac
     done
+    case $label in
+        *-stream)
+            merged=$(usage_of "$out/sanity-$label-filter.txt")
+            unmerged=$(usage_of "$out/sanity-$label-merge_off.txt")
+            [ -n "$merged" ] && [ -n "$unmerged" ] && [ "$merged" != "$unmerged" ] ||
+                die "$label: usage (prompt_tokens cached_tokens) through filter '$merged', through merge_off '$unmerged': no merge seen"
+            say "$label usage chunk (prompt_tokens cached_tokens): filter $merged, merge_off $unmerged"
+            ;;
+    esac
 done
-say "sanity checks passed; Envoy $("$envoy_bin" --version | grep -o '[0-9]*\.[0-9]*\.[0-9]*/[A-Za-z]*' | head -1), --concurrency $concurrency; targets: $targets; $placement"
+say "sanity checks passed; Envoy $("$envoy_bin" --version | grep -o '[0-9]*\.[0-9]*\.[0-9]*/[A-Za-z]*' | head -1), --concurrency $concurrency; $placement"
+for entry in $workloads; do
+    say "  ${entry%%:*}: $(targets_for "${entry%%:*}")"
+done
 
 # One wrk run: target size conns secs rep phase -> a line of results.tsv
 printf 'phase\trep\ttarget\tsize\tconns\tsecs\trequests\tduration_us\tp50_us\tp99_us\tmean_us\terrors\tproxy_cpu_s\tbackend_cpu_s\tprefill\tdecode_kv\tdecode_plain\trss_kb\thwm_kb\twasm_kb\n' >"$out/results.tsv"
@@ -292,7 +368,7 @@ row = [phase, rep, target, label, conns, secs, f["requests"], f["duration_us"], 
 print("\t".join(str(x) for x in row))
 PY
     tail -n1 "$out/results.tsv" | awk -F'\t' -v t="$target" -v s="$label" -v c="$nconns" \
-        '{ printf "  %-6s %-5s c%-3s %7.0f req/s  p50 %8.2f ms  p99 %8.2f ms  proxy %.2f CPU-s/1000  errors %s\n",
+        '{ printf "  %-11s %-10s c%-3s %7.0f req/s  p50 %8.2f ms  p99 %8.2f ms  proxy %.2f CPU-s/1000  errors %s\n",
            t, s, c, $7 / ($8 / 1e6), $9 / 1000, $10 / 1000, ($7 > 0 ? $13 * 1000 / $7 : 0), $12 }' >&2
 }
 
@@ -300,11 +376,17 @@ PY
 printf 'when\trss_kb\thwm_kb\twasm_kb\n' >"$out/memory.tsv"
 echo "start	$(memory)" >>"$out/memory.tsv"
 for rep in $(seq 1 "$reps"); do
-    for entry in $sizes; do
+    for entry in $workloads; do
         label=${entry%%:*}
         say "repetition $rep/$reps, $label"
-        for target in $targets; do
+        for target in $(targets_for "$label"); do
             if [ "$rep" = 1 ]; then
+                # The first 1 MB load of each target: Envoy's memory just before and just
+                # after it, so that each target's growth is its own (linear memory is per VM
+                # and the other VMs are idle meanwhile).
+                if [ "$label" = 1MB ]; then
+                    echo "before_warmup_1MB_$target	$(memory)" >>"$out/memory.tsv"
+                fi
                 run "$target" "$label" "$conns" 1 "$rep" warmup 2>/dev/null
                 if [ "$label" = 1MB ]; then
                     echo "after_warmup_1MB_$target	$(memory)" >>"$out/memory.tsv"

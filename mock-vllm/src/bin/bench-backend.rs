@@ -2,13 +2,20 @@
 //!
 //! ```text
 //! bench-backend serve ADDR[,ADDR…] [THREADS]   answer like a vLLM prefill and decode pair
-//! bench-backend body SIZE PATH         write the benchmark's chat body of SIZE bytes to PATH
+//! bench-backend body SIZE PATH [stream]  write the benchmark's chat body of SIZE bytes to PATH
+//!                                        (`stream`: the streamed one, usage chunk asked for)
 //! ```
 //!
 //! Like vLLM, it reads the whole request body before it answers (a backend that answers
 //! early makes Envoy drop the upstream connection whenever the filter holds the body). A body
 //! carrying `"do_remote_decode":true` is a prefill request and gets a small completion with a
-//! `kv_transfer_params` object; any other body gets a small completion as decode would.
+//! `kv_transfer_params` object; any other body gets a small completion as decode would: JSON,
+//! or, when the body has `"stream":true`, server-sent events as vLLM writes them (a role
+//! chunk, one chunk per word, the chunk with the finish reason, the usage chunk when
+//! `"include_usage":true`, `[DONE]`), in one piece but without content-length (chunked, as
+//! vLLM sends a stream, which a filter may rewrite on the way). Decode's usage counts the
+//! prompt as a quarter of the body's bytes, all of it cached when prefill's KV came with the
+//! request (vLLM counts pulled KV as a prefix-cache hit).
 //! `GET /stats` counts what it saw, so the bench can check that decode received the KV
 //! parameters prefill issued. Other `GET`s (a router's health checks) get `{}` and are not
 //! counted. Several addresses serve the same handler from the same threads: a router that
@@ -17,11 +24,14 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
+use http_body_util::BodyExt;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
@@ -34,8 +44,80 @@ mod body;
 
 const REMOTE_DECODE: &[u8] = br#""do_remote_decode":true"#;
 const ENGINE: &[u8] = br#""remote_engine_id":"bench-engine""#;
+const STREAM: &[u8] = br#""stream":true"#;
+const INCLUDE_USAGE: &[u8] = br#""include_usage":true"#;
 
 const DECODE_ANSWER: &[u8] = br#"{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant","content":"The answer is forty-two, as computed by the bench backend."},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":12,"total_tokens":13}}"#;
+
+/// The words of the streamed answer, one content chunk each.
+const STREAM_WORDS: [&str; 12] = [
+    "The",
+    " answer",
+    " is",
+    " forty",
+    "-two",
+    ",",
+    " as",
+    " computed",
+    " by",
+    " the",
+    " bench",
+    " backend.",
+];
+
+/// The streamed answer up to its usage chunk: the same bytes on every request, built once.
+fn stream_events() -> &'static [u8] {
+    static EVENTS: OnceLock<Vec<u8>> = OnceLock::new();
+    EVENTS.get_or_init(|| {
+        const CHUNK: &str =
+            r#"data: {"id":"chatcmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench-model","choices":[{"index":0,"#;
+        let mut events = String::new();
+        events.push_str(CHUNK);
+        events.push_str(
+            r#""delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#,
+        );
+        events.push_str("\n\n");
+        for word in STREAM_WORDS {
+            events.push_str(CHUNK);
+            events.push_str(&format!(
+                r#""delta":{{"content":"{word}"}},"logprobs":null,"finish_reason":null}}]}}"#
+            ));
+            events.push_str("\n\n");
+        }
+        events.push_str(CHUNK);
+        events.push_str(
+            r#""delta":{"content":""},"logprobs":null,"finish_reason":"stop","stop_reason":null}]}"#,
+        );
+        events.push_str("\n\n");
+        events.into_bytes()
+    })
+}
+
+/// Decode's streamed answer to a prompt of `prompt_tokens`, `cached_tokens` of them cached.
+fn stream_answer(prompt_tokens: usize, cached_tokens: usize, include_usage: bool) -> Vec<u8> {
+    let completion_tokens = STREAM_WORDS.len();
+    let mut answer = Vec::with_capacity(stream_events().len() + 512);
+    answer.extend_from_slice(stream_events());
+    if include_usage {
+        answer.extend_from_slice(
+            format!(
+                concat!(
+                    r#"data: {{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":0,"model":"bench-model","choices":[],"#,
+                    r#""usage":{{"prompt_tokens":{},"completion_tokens":{},"total_tokens":{},"#,
+                    r#""prompt_tokens_details":{{"cached_tokens":{}}}}}}}"#,
+                    "\n\n"
+                ),
+                prompt_tokens,
+                completion_tokens,
+                prompt_tokens + completion_tokens,
+                cached_tokens
+            )
+            .as_bytes(),
+        );
+    }
+    answer.extend_from_slice(b"data: [DONE]\n\n");
+    answer
+}
 
 static PREFILL: AtomicU64 = AtomicU64::new(0);
 static DECODE_WITH_KV: AtomicU64 = AtomicU64::new(0);
@@ -76,17 +158,64 @@ fn find_from(hay: &[u8], start: usize, needle: &[u8]) -> bool {
     false
 }
 
-fn json(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(body.into()));
+/// A response body sent in one piece. A JSON answer announces its length (content-length);
+/// a stream of events does not (chunked transfer encoding), as vLLM's server sends one.
+struct OnePiece {
+    data: Option<Bytes>,
+    sized: bool,
+}
+
+impl Body for OnePiece {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Ready(self.data.take().map(|data| Ok(Frame::data(data))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.sized && self.data.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match (&self.data, self.sized) {
+            (Some(data), true) => SizeHint::with_exact(data.len() as u64),
+            (None, true) => SizeHint::with_exact(0),
+            (_, false) => SizeHint::default(),
+        }
+    }
+}
+
+fn json(status: StatusCode, body: impl Into<Bytes>) -> Response<OnePiece> {
+    let body = OnePiece {
+        data: Some(body.into()),
+        sized: true,
+    };
+    answer(status, "application/json", body)
+}
+
+fn events(body: impl Into<Bytes>) -> Response<OnePiece> {
+    let body = OnePiece {
+        data: Some(body.into()),
+        sized: false,
+    };
+    answer(StatusCode::OK, "text/event-stream", body)
+}
+
+fn answer(status: StatusCode, content_type: &'static str, body: OnePiece) -> Response<OnePiece> {
+    let mut response = Response::new(body);
     *response.status_mut() = status;
     response.headers_mut().insert(
         hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static("application/json"),
+        hyper::header::HeaderValue::from_static(content_type),
     );
     response
 }
 
-async fn handle(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+async fn handle(request: Request<Incoming>) -> Result<Response<OnePiece>, Infallible> {
     let is_get = request.method() == Method::GET;
     let is_stats = is_get && request.uri().path() == "/stats";
     // Read the whole body before answering, as vLLM does.
@@ -112,10 +241,21 @@ async fn handle(request: Request<Incoming>) -> Result<Response<Full<Bytes>>, Inf
         PREFILL.fetch_add(1, Ordering::Relaxed);
         return Ok(json(StatusCode::OK, body::PREFILL_ANSWER));
     }
-    if contains_quoted(&body, ENGINE) {
+    let with_kv = contains_quoted(&body, ENGINE);
+    if with_kv {
         DECODE_WITH_KV.fetch_add(1, Ordering::Relaxed);
     } else {
         DECODE_WITHOUT_KV.fetch_add(1, Ordering::Relaxed);
+    }
+    if contains_quoted(&body, STREAM) {
+        let prompt_tokens = body.len() / 4;
+        let cached_tokens = if with_kv { prompt_tokens } else { 0 };
+        let include_usage = contains_quoted(&body, INCLUDE_USAGE);
+        return Ok(events(stream_answer(
+            prompt_tokens,
+            cached_tokens,
+            include_usage,
+        )));
     }
     Ok(json(StatusCode::OK, DECODE_ANSWER))
 }
@@ -147,7 +287,7 @@ async fn accept(listener: TcpListener) -> std::io::Result<()> {
 }
 
 const USAGE: &str =
-    "usage: bench-backend serve ADDR[,ADDR...] [THREADS] | bench-backend body SIZE PATH";
+    "usage: bench-backend serve ADDR[,ADDR...] [THREADS] | bench-backend body SIZE PATH [stream]";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -179,12 +319,17 @@ fn main() {
                 std::process::exit(1);
             }
         }
-        ["body", size, path] => {
+        ["body", size, path, rest @ ..] if matches!(rest, [] | ["stream"]) => {
             let Ok(size) = size.parse::<usize>() else {
                 eprintln!("bench-backend: bad size {size:?}\n{USAGE}");
                 std::process::exit(2);
             };
-            if let Err(e) = std::fs::write(path, body::chat_body(size)) {
+            let bytes = if rest.is_empty() {
+                body::chat_body(size)
+            } else {
+                body::chat_stream_body(size)
+            };
+            if let Err(e) = std::fs::write(path, bytes) {
                 eprintln!("bench-backend: cannot write {path}: {e}");
                 std::process::exit(1);
             }
