@@ -124,6 +124,40 @@ async fn decode_that_was_never_reached_strands_no_kv() {
 }
 
 #[tokio::test]
+async fn decode_that_times_out_after_prefill_answered_strands_no_kv() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let id = unique_id("decode-timeout");
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "nobody connects"}],
+                      "max_tokens": 5})
+    .to_string();
+    let reply = Request::post("decode_blackholed", "/v1/chat/completions")
+        .id(&id)
+        .body(body)
+        .send()
+        .await;
+    // Prefill answers at once; Envoy gives up on decode's connection a second later.
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_eq!(h.prefill_requests(&id).len(), 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while releases(&id).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The filter no longer holds the client's body: the release is one token of prompt on
+    // the same KV.
+    let released = h.kv_releases(&id);
+    assert_eq!(released.len(), 1, "{released:?}");
+    assert_eq!(released[0].path, COMPLETIONS);
+    let release = released[0].json();
+    assert_eq!(release["prompt"], json!([0]), "{release}");
+    assert_eq!(release["model"], "m");
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+}
+
+#[tokio::test]
 async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
     let _serial = SERIAL.lock().await;
     let h = harness();

@@ -7,8 +7,11 @@
 /// request: a connection that never opened, no host, no cluster, no route, a full pool.
 /// `code_details` is Envoy's `response.code_details` (`via_upstream` for a decode answer).
 pub fn decode_never_read(code_details: &str) -> bool {
-    const NEVER_SENT: [&str; 5] = [
+    const NEVER_SENT: [&str; 7] = [
         "connection_failure",
+        "connection_timeout",
+        // HTTP/2 REFUSED_STREAM: the server says it did not process the stream.
+        "refused_stream",
         "no_healthy_upstream",
         "cluster_not_found",
         "route_not_found",
@@ -62,6 +65,8 @@ mod tests {
             "cluster_not_found",
             "route_not_found",
             "upstream_reset_before_response_started{overflow}",
+            "upstream_reset_before_response_started{connection_timeout}",
+            "upstream_reset_before_response_started{remote_refused_stream_reset}",
         ] {
             assert!(decode_never_read(never), "{never}");
         }

@@ -33,6 +33,9 @@ pub enum DecodeRoute {
     ByPickerHeader,
     /// To a closed port: decode never takes the request.
     Unreachable,
+    /// To a port that never completes a connection: Envoy gives up after its connect
+    /// timeout (1 s), long after prefill answered.
+    Blackholed,
 }
 
 pub struct Listener {
@@ -103,6 +106,11 @@ pub const LISTENERS: &[Listener] = &[
     Listener {
         decode_route: DecodeRoute::Unreachable,
         ..plain("decode_unreachable", "")
+    },
+    // Decode's connection times out after prefill answered; releases go to `decode`.
+    Listener {
+        decode_route: DecodeRoute::Blackholed,
+        ..plain("decode_blackholed", "")
     },
 ];
 
@@ -262,6 +270,7 @@ fn start() -> Harness {
             prefill_b: mocks[2].port(),
             decode_b: mocks[3].port(),
             closed: closed_port(),
+            blackhole: blackhole_port(),
         };
         let envoy = start_envoy(&ports);
         sender
@@ -297,6 +306,38 @@ struct Ports {
     prefill_b: u16,
     decode_b: u16,
     closed: u16,
+    blackhole: u16,
+}
+
+/// A local port whose accept queue is full and never drained: the kernel drops every new
+/// SYN, so a connection attempt hangs until the client gives up. Lives as long as the test
+/// process.
+fn blackhole_port() -> u16 {
+    // SAFETY: plain socket calls on a descriptor this function owns; the address structure
+    // is initialised before use and outlives the calls that read it.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+        assert!(fd >= 0, "socket");
+        let mut addr: libc::sockaddr_in = std::mem::zeroed();
+        addr.sin_family = libc::AF_INET as libc::sa_family_t;
+        addr.sin_addr.s_addr = u32::from_ne_bytes([127, 0, 0, 1]);
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        let bound = libc::bind(fd, std::ptr::addr_of!(addr).cast(), len);
+        assert_eq!(bound, 0, "bind");
+        assert_eq!(libc::listen(fd, 0), 0, "listen");
+        let mut bound_addr: libc::sockaddr_in = std::mem::zeroed();
+        let mut bound_len = len;
+        libc::getsockname(
+            fd,
+            std::ptr::addr_of_mut!(bound_addr).cast(),
+            &mut bound_len,
+        );
+        let port = u16::from_be(bound_addr.sin_port);
+        // One connection fills a backlog of 0; it is kept, never accepted.
+        let filler = std::net::TcpStream::connect(("127.0.0.1", port)).expect("fill the backlog");
+        std::mem::forget(filler);
+        port
+    }
 }
 
 fn start_envoy(ports: &Ports) -> (Vec<(String, u16)>, u16, PathBuf) {
@@ -531,6 +572,7 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         cluster_yaml("prefill_b", "127.0.0.2", ports.prefill_b),
         cluster_yaml("decode_b", "127.0.0.1", ports.decode_b),
         cluster_yaml("prefill_unreachable", "127.0.0.1", ports.closed),
+        cluster_yaml("decode_blackhole", "127.0.0.1", ports.blackhole),
         original_dst_cluster_yaml("prefill_original_dst", "x-envoy-original-dst-host"),
         original_dst_cluster_yaml("decode_picker", "x-gateway-destination-endpoint"),
     ]
@@ -604,6 +646,11 @@ fn routes_yaml(route: DecodeRoute) -> &'static str {
         DecodeRoute::Unreachable => {
             r#"              - match: { prefix: "/" }
                 route: { cluster: prefill_unreachable, timeout: 0s }
+"#
+        }
+        DecodeRoute::Blackholed => {
+            r#"              - match: { prefix: "/" }
+                route: { cluster: decode_blackhole, timeout: 0s }
 "#
         }
         DecodeRoute::ByPickerHeader => {
