@@ -909,6 +909,10 @@ impl Session {
         match &mut self.state {
             State::Decoding { answer, .. } => match answer {
                 AnswerRewrite::Untouched => BodyStep::Step(Step::new(Flow::Continue, vec![])),
+                // An empty chunk (often the stream's end) with nothing held changes nothing.
+                AnswerRewrite::Events(events) if size == 0 && !events.holds_bytes() => {
+                    BodyStep::Step(Step::new(Flow::Continue, vec![]))
+                }
                 AnswerRewrite::Events(_) => BodyStep::ReadBody,
                 // Larger than any answer worth holding: it goes on as it is.
                 AnswerRewrite::Whole if size > limit => {

@@ -177,11 +177,7 @@ pub fn merge_answer(api: Api, answer: &[u8], prompt: PromptUsage) -> Option<Vec<
 /// carries usage: the usage chunk of completions and chat, the final `response.completed`
 /// event of responses. `None` for every other event.
 pub fn merge_event(api: Api, event: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
-    let marker: &[u8] = match api {
-        Api::Responses => b"response.completed",
-        Api::Completions | Api::ChatCompletions | Api::Messages | Api::Generate => b"\"usage\"",
-    };
-    if !contains(event, marker) {
+    if !contains(event, usage_marker(api)) {
         return None;
     }
     // The event's data line: `data: {…}`.
@@ -216,10 +212,16 @@ pub fn merge_event(api: Api, event: &[u8], prompt: PromptUsage) -> Option<Vec<u8
     Some(out)
 }
 
+/// Bytes every event that carries usage contains (and few others do).
+fn usage_marker(api: Api) -> &'static [u8] {
+    match api {
+        Api::Responses => b"response.completed",
+        Api::Completions | Api::ChatCompletions | Api::Messages | Api::Generate => b"\"usage\"",
+    }
+}
+
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack
-        .windows(needle.len())
-        .position(|window| window == needle)
+    memchr::memmem::find(haystack, needle)
 }
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
@@ -240,6 +242,11 @@ pub struct EventStream {
 }
 
 impl EventStream {
+    /// Whether part of an event waits for its end.
+    pub fn holds_bytes(&self) -> bool {
+        !self.held.is_empty()
+    }
+
     /// The bytes to send on for `chunk`; `None` when they are exactly `chunk`.
     pub fn on_chunk(
         &mut self,
@@ -261,36 +268,10 @@ impl EventStream {
         let complete_end = if end_of_stream || data.len() > MAX_HELD_EVENT {
             data.len()
         } else {
-            data.windows(2)
-                .rposition(|w| w == b"\n\n")
-                .map_or(0, |at| at + 2)
+            memchr::memmem::rfind(data, EVENT_END).map_or(0, |at| at + EVENT_END.len())
         };
         let (complete, rest) = data.split_at(complete_end);
-        let mut out: Option<Vec<u8>> = None;
-        let mut cursor = 0;
-        for (at, _) in complete
-            .windows(2)
-            .enumerate()
-            .filter(|(_, w)| *w == b"\n\n")
-        {
-            if let Some(event) = complete.get(cursor..at) {
-                if let Some(merged) = merge_event(api, event, prompt) {
-                    let buffer = out.get_or_insert_with(|| {
-                        let mut buffer = Vec::with_capacity(complete.len() + 64);
-                        buffer.extend_from_slice(complete.get(..cursor).unwrap_or_default());
-                        buffer
-                    });
-                    buffer.extend_from_slice(&merged);
-                    buffer.extend_from_slice(b"\n\n");
-                } else if let Some(buffer) = out.as_mut() {
-                    buffer.extend_from_slice(complete.get(cursor..at + 2).unwrap_or_default());
-                }
-            }
-            cursor = at + 2;
-        }
-        if let Some(buffer) = out.as_mut() {
-            buffer.extend_from_slice(complete.get(cursor..).unwrap_or_default());
-        }
+        let out = merge_events(api, prompt, complete);
         self.held = rest.to_vec();
         match out {
             Some(buffer) => Some(buffer),
@@ -298,6 +279,40 @@ impl EventStream {
             None => Some(complete.to_vec()),
         }
     }
+}
+
+/// What ends a server-sent event.
+const EVENT_END: &[u8] = b"\n\n";
+
+/// Complete events with prefill's prompt counts where they carry usage; `None` when none
+/// does. Only the events around a usage marker are looked at, found by a fast search.
+fn merge_events(api: Api, prompt: PromptUsage, complete: &[u8]) -> Option<Vec<u8>> {
+    let marker = usage_marker(api);
+    let mut out: Option<Vec<u8>> = None;
+    let mut cursor = 0;
+    let mut search_from = 0;
+    while let Some(at) = complete
+        .get(search_from..)
+        .and_then(|rest| find(rest, marker))
+        .map(|found| search_from + found)
+    {
+        let before = complete.get(..at).unwrap_or_default();
+        let start = memchr::memmem::rfind(before, EVENT_END).map_or(0, |i| i + EVENT_END.len());
+        let after = complete.get(at..).unwrap_or_default();
+        let end = find(after, EVENT_END).map_or(complete.len(), |i| at + i);
+        let event = complete.get(start..end).unwrap_or_default();
+        if let Some(merged) = merge_event(api, event, prompt) {
+            let buffer = out.get_or_insert_with(|| Vec::with_capacity(complete.len() + 64));
+            buffer.extend_from_slice(complete.get(cursor..start).unwrap_or_default());
+            buffer.extend_from_slice(&merged);
+            cursor = end;
+        }
+        search_from = end.max(at + 1);
+    }
+    if let Some(buffer) = out.as_mut() {
+        buffer.extend_from_slice(complete.get(cursor..).unwrap_or_default());
+    }
+    out
 }
 
 #[cfg(test)]
