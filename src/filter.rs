@@ -631,6 +631,7 @@ impl HttpContext for PdRequest {
             status,
             content_type: value("content-type"),
             has_request_id: value("x-request-id").is_some(),
+            has_content_length: value("content-length").is_some(),
             code_details: details.as_deref(),
         };
         let commands = self.request.session.borrow_mut().on_response_headers(&head);

@@ -217,6 +217,7 @@ pub struct ResponseHead<'a> {
     pub status: Option<u16>,
     pub content_type: Option<&'a str>,
     pub has_request_id: bool,
+    pub has_content_length: bool,
     /// Envoy's `response.code_details` (`via_upstream` for decode's own answer), when asked
     /// for ([`Session::wants_response_details`]).
     pub code_details: Option<&'a str>,
@@ -885,7 +886,9 @@ impl Session {
             if let Some(rewrite) = rewrite {
                 *answer = rewrite;
                 // The rewritten answer's length differs: Envoy frames it.
-                commands.push(Command::RemoveResponseHeader("content-length".to_owned()));
+                if head.has_content_length {
+                    commands.push(Command::RemoveResponseHeader("content-length".to_owned()));
+                }
             }
         }
         // Decode has the request from here on, or never will.

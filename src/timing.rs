@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::api::Api;
 use crate::json::JsonObject;
+use crate::protocol::usage::{merge_answer, prompt_usage, EventStream};
 use crate::protocol::{prepare, read_prefill_answer, PrefillAnswer};
 
 #[path = "../bench/body.rs"]
@@ -45,6 +46,9 @@ fn time(mut f: impl FnMut()) -> f64 {
 
 /// One timed step: its name and the work.
 type Step<'a> = (&'static str, Box<dyn FnMut() + 'a>);
+
+/// A timed step on an answer: its name, the answer's bytes and the work.
+type AnswerStep<'a> = (&'static str, &'a [u8], Box<dyn FnMut() + 'a>);
 
 #[test]
 #[ignore = "timing, not a test: make bench-wasm"]
@@ -98,5 +102,50 @@ fn timing() {
             let ns = time(&mut f);
             println!("TIMING {target} {label} {step} {size} {ns:.0}");
         }
+    }
+    usage_timing(target);
+}
+
+/// Usage merging of decode's answer: a JSON answer, and a stream of 16 events in one chunk
+/// whose usage event changes.
+fn usage_timing(target: &str) {
+    let prefill = br#"{"usage":{"prompt_tokens":300,"completion_tokens":1,"total_tokens":301,"prompt_tokens_details":{"cached_tokens":16}}}"#;
+    let prompt = prompt_usage(Api::ChatCompletions, prefill).unwrap();
+    let answer = br#"{"id":"chatcmpl-1","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"The answer is forty-two, as computed by the backend."},"finish_reason":"stop"}],"usage":{"prompt_tokens":300,"completion_tokens":12,"total_tokens":312,"prompt_tokens_details":{"cached_tokens":300}}}"#;
+    let chunk = |delta: &str| {
+        format!(
+            "data: {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":0,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":null}}]}}\n\n"
+        )
+    };
+    let mut stream = chunk(r#"{"role":"assistant","content":""}"#);
+    for word in 0..13 {
+        stream.push_str(&chunk(&format!(r#"{{"content":"word{word} "}}"#)));
+    }
+    stream.push_str("data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":0,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":300,\"completion_tokens\":12,\"total_tokens\":312,\"prompt_tokens_details\":{\"cached_tokens\":300}}}\n\ndata: [DONE]\n\n");
+    let stream = stream.into_bytes();
+    let steps: [AnswerStep; 2] = [
+        (
+            "usage_json",
+            answer,
+            Box::new(|| {
+                black_box(merge_answer(
+                    Api::ChatCompletions,
+                    black_box(answer),
+                    prompt,
+                ));
+            }),
+        ),
+        (
+            "usage_stream",
+            &stream,
+            Box::new(|| {
+                let mut events = EventStream::default();
+                black_box(events.on_chunk(Api::ChatCompletions, prompt, black_box(&stream), false));
+            }),
+        ),
+    ];
+    for (step, bytes, mut f) in steps {
+        let ns = time(&mut f);
+        println!("TIMING {target} answer {step} {} {ns:.0}", bytes.len());
     }
 }

@@ -293,6 +293,7 @@ fn upstream(status: u16) -> ResponseHead<'static> {
         status: Some(status),
         content_type: Some("application/json"),
         has_request_id: true,
+        has_content_length: true,
         code_details: Some("via_upstream"),
     }
 }
@@ -302,6 +303,7 @@ fn unreached(details: &'static str) -> ResponseHead<'static> {
         status: Some(503),
         content_type: Some("text/plain"),
         has_request_id: true,
+        has_content_length: true,
         code_details: Some(details),
     }
 }
@@ -790,7 +792,17 @@ fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
         ..upstream(200)
     };
     // The usage event changes length: a stream that came with a content-length goes on
-    // without one (Envoy frames it).
+    // without one (Envoy frames it); one without has nothing to remove.
+    let mut chunked = prefilling("");
+    chunked.on_prefill_answer(1, Some(200), prefill_with_usage(0).as_bytes(), at(5));
+    let without_length = ResponseHead {
+        has_content_length: false,
+        ..head
+    };
+    assert!(!chunked
+        .on_response_headers(&without_length)
+        .iter()
+        .any(|c| matches!(c, Command::RemoveResponseHeader(_))));
     assert!(s
         .on_response_headers(&head)
         .contains(&Command::RemoveResponseHeader("content-length".into())));
