@@ -170,10 +170,12 @@ def report(directory):
 
     # The same code natively and as wasm32 under Node (src/timing.rs).
     timing = defaultdict(list)
+    timing_us = defaultdict(list)
     timing_path = out / "timing.tsv"
     if timing_path.exists():
         for rep, target, size, step, size_bytes, ns in csv.reader(open(timing_path), delimiter="\t"):
             timing[(target, size, step)].append(int(size_bytes) / float(ns) * 1000.0)
+            timing_us[(target, size, step)].append(float(ns) / 1000.0)
     if timing:
         print("### Native and wasm32 (src/timing.rs; wasm32 under Node's WASI, V8; MB/s of client body; wasm/native time)\n")
         print("| body | step | native | wasm32 | wasm32 time / native time |")
@@ -186,6 +188,15 @@ def report(directory):
                 ratios = [n / w for n, w in zip(nat, wasm)]
                 print(f"| {size} | {step} | {cell(nat, '{:,.0f}')} | {cell(wasm, '{:,.0f}')} | {cell(ratios, '{:.2f}')} |")
         print()
+        usage_steps = [("usage_json", "a JSON answer"), ("usage_stream", "a 16-event stream in one chunk")]
+        if any(timing_us.get(("wasm32", "answer", step)) for step, _ in usage_steps):
+            print("Usage merging of decode's answer (src/timing.rs; µs per answer):\n")
+            print("| answer | native µs | wasm32 µs |")
+            print("| --- | --- | --- |")
+            for step, name in usage_steps:
+                nat, wasm = timing_us.get(("native", "answer", step), []), timing_us.get(("wasm32", "answer", step), [])
+                print(f"| {name} | {cell(nat, '{:.1f}')} | {cell(wasm, '{:.1f}')} |")
+            print()
 
     targets = [(t, n) for t, n in TARGETS if any(r["target"] == t for r in rows)]
     print(f"### Loopback load (wrk; latency in ms; CPU in the proxy's CPU-seconds per 1,000 requests)\n")
