@@ -26,6 +26,12 @@ Try, from another terminal:
   curl -s http://127.0.0.1:10000/v1/responses -H 'content-type: application/json' \
     -d '{"model":"mock-model","input":"Tell me a story","max_output_tokens":8}'
 
+  curl -s http://127.0.0.1:10000/v1/messages -H 'content-type: application/json' \
+    -d '{"model":"mock-model","messages":[{"role":"user","content":"Hi from Anthropic style"}],"max_tokens":8}'
+
+  curl -s http://127.0.0.1:10000/inference/v1/generate -H 'content-type: application/json' \
+    -d '{"token_ids":[101,2023,2003],"sampling_params":{"max_tokens":8}}'
+
   # An error: prefill refuses (the mocks obey mock:* directives in the body, see README)
   curl -s http://127.0.0.1:10000/v1/completions -H 'content-type: application/json' \
     -d '{"model":"mock-model","prompt":"fail mock:prefill_status=400","max_tokens":8}'
