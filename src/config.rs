@@ -109,8 +109,9 @@ impl Default for RawConfig {
     }
 }
 
-/// Client headers the prefill call carries by default: credentials and trace context (W3C
-/// and B3), so that a trace shows both legs.
+/// Client headers the prefill call carries by default: credentials (`authorization`, and
+/// `x-api-key` as Anthropic-style clients send it) and trace context (W3C and B3), so that a
+/// trace shows both legs.
 pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
     "authorization",
     "traceparent",
@@ -122,6 +123,7 @@ pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
     "x-b3-parentspanid",
     "x-b3-sampled",
     "x-b3-flags",
+    "x-api-key",
 ];
 
 /// vLLM's generation APIs that the filter does not orchestrate: their requests go to decode

@@ -267,12 +267,19 @@ async fn vllms_messages_api_runs_prefill_then_decode_and_counts_like_one_vllm() 
                           "messages": [{"role": "user", "content": text}]});
         let reply = Request::post("default", "/v1/messages")
             .id(&id)
+            .header("x-api-key", "sk-client")
             .body(sent.to_string())
             .send()
             .await;
         let case = format!("stream={stream}");
         assert_eq!(reply.status, 200, "{case}: {}", reply.body);
         assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+        // Anthropic-style clients send their key in x-api-key: prefill gets it too.
+        assert_eq!(
+            h.only_prefill(&id).header("x-api-key"),
+            Some("sk-client"),
+            "{case}"
+        );
         let prefill = h.only_prefill(&id).json();
         assert_eq!(prefill["max_tokens"], 1, "{case}: {prefill}");
         assert_eq!(prefill["stream"], false, "{case}");
