@@ -130,8 +130,12 @@ pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
 /// with any client `kv_transfer_params` removed, so that no client can make decode pull KV
 /// from a host of its choosing.
 /// (vLLM 0.33: SageMaker's `/invocations`, which serves chat or completions by the body's
-/// shape, chat batches and the Cohere-style API.)
+/// shape, chat batches and the Cohere-style API; and the two vLLM APIs orchestrated by
+/// default, for a configuration whose `paths` leaves them out. Orchestration wins where a
+/// path is in both lists.)
 pub const DEFAULT_KV_STRIPPED_PATHS: &[&str] = &[
+    "/v1/messages",
+    "/inference/v1/generate",
     "/invocations",
     "/v1/chat/completions/batch",
     "/cohere/v2/chat",
@@ -558,6 +562,18 @@ mod tests {
             config.classify_path("/v1/%63ompletions"),
             PathVerdict::Refuse(_)
         ));
+    }
+
+    #[test]
+    fn vllms_own_apis_left_out_of_paths_are_still_stripped() {
+        let config = Config::from_json(br#"{"paths":["/v1/completions"]}"#).unwrap();
+        for path in ["/v1/messages", "/inference/v1/generate"] {
+            assert_eq!(
+                config.classify_path(path),
+                PathVerdict::StripKvTransferParams,
+                "{path}"
+            );
+        }
     }
 
     #[test]
