@@ -1,7 +1,9 @@
 //! The adapter to the proxy-wasm host: it turns host callbacks into [`Session`] events and
-//! the session's commands into host calls, and decides nothing itself. Every host call goes
-//! through `hostcalls` so that an unexpected host status is handled as a value instead of
-//! panicking the VM (the SDK's trait helpers unwrap).
+//! the session's commands into host calls, and decides nothing itself. The calls that change
+//! a request or its answer go through [`host`], where a refusal is a value. The reads and the
+//! calls to the root's queue use the SDK's `hostcalls`, which panic on a status they do not
+//! expect; Envoy answers them in every state the filter calls them in (a reset callout's
+//! headers come as an empty list, an empty queue as `Empty`).
 //!
 //! Callouts belong to the worker's root context, not to the request: the SDK delivers an
 //! answer only to the context that sent the call, and a request's context is gone once its
@@ -29,6 +31,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::callouts::{Caller, Callouts, Job};
 use crate::config::Config;
+use crate::host;
 use crate::protocol::kv_release::release_succeeded;
 use crate::request_id::new_request_id;
 use crate::session::{
@@ -353,8 +356,7 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
     let request_id = || session.borrow().request_id().to_owned();
     match command {
         Command::SetRequestHeader { name, value } => {
-            if let Err(status) =
-                hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, Some(&value))
+            if let Err(status) = host::set_header(MapType::HttpRequestHeaders, &name, Some(&value))
             {
                 log::warn!(
                     "[{}] could not set request header {name}: {status:?}",
@@ -363,8 +365,7 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
             }
         }
         Command::RemoveRequestHeader(name) => {
-            if let Err(status) = hostcalls::set_map_value(MapType::HttpRequestHeaders, &name, None)
-            {
+            if let Err(status) = host::set_header(MapType::HttpRequestHeaders, &name, None) {
                 log::warn!(
                     "[{}] could not remove request header {name}: {status:?}",
                     request_id()
@@ -376,7 +377,7 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
         }
         Command::ReplaceRequestBody { body, replaced_len } => {
             if let Err(status) =
-                hostcalls::set_buffer(BufferType::HttpRequestBody, 0, replaced_len, &body)
+                host::set_buffer(BufferType::HttpRequestBody, 0, replaced_len, &body)
             {
                 log::debug!("[{}] set_buffer(HttpRequestBody): {status:?}", request_id());
                 return session
@@ -385,7 +386,7 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
             }
         }
         Command::ResumeRequest => {
-            if let Err(status) = hostcalls::resume_http_request() {
+            if let Err(status) = host::resume_request() {
                 log::error!(
                     "[{}] could not resume the request: {status:?}",
                     request_id()
@@ -393,10 +394,7 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
             }
         }
         Command::SendReply(reply) => {
-            let headers = as_pairs(&reply.headers);
-            if let Err(status) =
-                hostcalls::send_http_response(u32::from(reply.status), headers, Some(&reply.body))
-            {
+            if let Err(status) = host::send_reply(reply.status, &reply.headers, &reply.body) {
                 log::error!(
                     "[{}] could not send the error reply: {status:?}",
                     request_id()
@@ -404,13 +402,12 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
             }
         }
         Command::SetFilterState { key, value } => {
-            if let Err(status) = set_property(key, value.as_bytes()) {
+            if let Err(status) = host::set_property(key, value.as_bytes()) {
                 log::debug!("[{}] could not set {key}: status {status}", request_id());
             }
         }
         Command::RemoveResponseHeader(name) => {
-            if let Err(status) = hostcalls::set_map_value(MapType::HttpResponseHeaders, &name, None)
-            {
+            if let Err(status) = host::set_header(MapType::HttpResponseHeaders, &name, None) {
                 log::warn!(
                     "[{}] could not remove response header {name}: {status:?}",
                     request_id()
@@ -419,7 +416,7 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
         }
         Command::ReplaceResponseBody { body, replaced_len } => {
             if let Err(status) =
-                hostcalls::set_buffer(BufferType::HttpResponseBody, 0, replaced_len, &body)
+                host::set_buffer(BufferType::HttpResponseBody, 0, replaced_len, &body)
             {
                 log::warn!(
                     "[{}] set_buffer(HttpResponseBody): {status:?}",
@@ -428,9 +425,7 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
             }
         }
         Command::AddResponseHeader { name, value } => {
-            if let Err(status) =
-                hostcalls::add_map_value(MapType::HttpResponseHeaders, &name, &value)
-            {
+            if let Err(status) = host::add_header(MapType::HttpResponseHeaders, &name, &value) {
                 log::warn!("[{}] could not add {name}: {status:?}", request_id());
             }
         }
@@ -438,29 +433,6 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
         Command::DispatchPrefill(_) | Command::ReleaseKv(_) | Command::Record(_) => {}
     }
     Vec::new()
-}
-
-#[link(wasm_import_module = "env")]
-extern "C" {
-    fn proxy_set_property(
-        path_data: *const u8,
-        path_size: usize,
-        value_data: *const u8,
-        value_size: usize,
-    ) -> u32;
-}
-
-/// Sets a one-segment property. The SDK's `set_property` panics on any status but Ok (and
-/// with it the VM); here a refusal is a value.
-fn set_property(key: &str, value: &[u8]) -> Result<(), u32> {
-    // SAFETY: both pointers and lengths describe live byte slices for the whole call; the
-    // host copies them and keeps no reference.
-    let status =
-        unsafe { proxy_set_property(key.as_ptr(), key.len(), value.as_ptr(), value.len()) };
-    match status {
-        0 => Ok(()),
-        status => Err(status),
-    }
 }
 
 /// Whether this VM is the first to load this configuration, told through the data the VMs

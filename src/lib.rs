@@ -3,7 +3,7 @@
 //! Everything the filter decides is host-free and tested natively and as wasm32:
 //! [`session`] (one request's state machine), [`callouts`] (a worker's calls, which outlive
 //! requests), [`protocol`] (the P/D protocol by job),
-//! [`config`], [`json`] and [`api`]. `filter` and `stats` are the thin adapter to the
+//! [`config`], [`json`] and [`api`]. `filter`, `host` and `stats` are the thin adapter to the
 //! proxy-wasm host; they are only built for wasm32 and left out of test builds, so that the
 //! unit tests also run as wasm32 (under Node's WASI).
 
@@ -31,6 +31,8 @@ pub mod session;
 
 #[cfg(all(target_arch = "wasm32", not(test)))]
 mod filter;
+#[cfg(all(target_arch = "wasm32", not(test)))]
+mod host;
 #[cfg(all(target_arch = "wasm32", not(test)))]
 mod stats;
 #[cfg(test)]
