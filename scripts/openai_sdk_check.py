@@ -11,16 +11,7 @@ import sys
 
 import openai
 
-PREFILL_CACHED = 2
-PROMPT = f"sdk check mock:prefill_cached_tokens={PREFILL_CACHED}"
-EXPECTED = "mock decode answer for sdk "
-
-
-def check(name, condition, detail=""):
-    if not condition:
-        print(f"FAIL {name}: {detail}")
-        sys.exit(1)
-    print(f"ok   {name}")
+from sdk_check import PREFILL_CACHED, PROMPT, check
 
 
 def main(base_url):

@@ -121,11 +121,7 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         include_usage,
         limit: limit as u64,
         n: n as u64,
-        model: obj
-            .get("model")
-            .and_then(Value::as_str)
-            .unwrap_or("mock-model")
-            .to_string(),
+        model: model_or_default(obj),
         prompt,
         kv: obj.get("kv_transfer_params").cloned(),
         prompt_logprobs: obj.get("prompt_logprobs").and_then(Value::as_u64),
@@ -289,16 +285,20 @@ fn parse_generate(obj: &Map<String, Value>) -> Result<Parsed, String> {
         include_usage,
         limit: limit as u64,
         n: n as u64,
-        model: obj
-            .get("model")
-            .and_then(Value::as_str)
-            .unwrap_or("mock-model")
-            .to_string(),
+        model: model_or_default(obj),
         prompt,
         kv: obj.get("kv_transfer_params").cloned(),
         prompt_logprobs,
         request_id,
     })
+}
+
+/// The request's `model`, or the mock's own name for an API where it is optional.
+fn model_or_default(obj: &Map<String, Value>) -> String {
+    obj.get("model")
+        .and_then(Value::as_str)
+        .unwrap_or("mock-model")
+        .to_string()
 }
 
 fn completion_prompt(obj: &Map<String, Value>) -> Result<String, String> {
