@@ -1,9 +1,7 @@
 //! The adapter to the proxy-wasm host: it turns host callbacks into [`Session`] events and
-//! the session's commands into host calls, and decides nothing itself. The calls that change
-//! a request or its answer go through [`host`], where a refusal is a value. The reads and the
-//! calls to the root's queue use the SDK's `hostcalls`, which panic on a status they do not
-//! expect; Envoy answers them in every state the filter calls them in (a reset callout's
-//! headers come as an empty list, an empty queue as `Empty`).
+//! the session's commands into host calls, and decides nothing itself. Host calls go through
+//! [`host`], where a refusal is a value, apart from sending a call (the SDK's, which must see
+//! its token); a reset callout's headers come as an empty list.
 //!
 //! Callouts belong to the worker's root context, not to the request: the SDK delivers an
 //! answer only to the context that sent the call, and a request's context is gone once its
@@ -28,6 +26,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
+
+use crate::headers::HeaderLookup;
 
 use crate::callouts::{Caller, Callouts, Job};
 use crate::config::Config;
@@ -97,10 +97,23 @@ impl Clock {
         if let Some(now) = self.0.get() {
             return now;
         }
-        let now = hostcalls::get_current_time().unwrap_or(UNIX_EPOCH);
+        let now = host::now().unwrap_or(UNIX_EPOCH);
         self.0.set(Some(now));
         now
     }
+}
+
+/// The SDK's level for the ABI's number.
+fn log_level(level: u32) -> Option<LogLevel> {
+    Some(match level {
+        0 => LogLevel::Trace,
+        1 => LogLevel::Debug,
+        2 => LogLevel::Info,
+        3 => LogLevel::Warn,
+        4 => LogLevel::Error,
+        5 => LogLevel::Critical,
+        _ => return None,
+    })
 }
 
 fn as_pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
@@ -170,7 +183,7 @@ impl Worker {
         };
         let wake = self.callouts.borrow_mut().queue(job);
         if wake {
-            if let Err(status) = hostcalls::enqueue_shared_queue(queue, Some(b"1")) {
+            if let Err(status) = host::enqueue(queue, b"1") {
                 log::warn!("could not wake the root context: {status:?}");
                 let job = self.callouts.borrow_mut().wake_failed();
                 if let Some(job) = job {
@@ -192,7 +205,7 @@ impl Worker {
             return;
         }
         self.in_root.set(true);
-        while let Ok(Some(_)) = hostcalls::dequeue_shared_queue(queue) {}
+        while let Ok(Some(_)) = host::dequeue(queue) {}
         self.callouts.borrow_mut().woken();
         loop {
             let job = self.callouts.borrow_mut().next_job();
@@ -263,16 +276,13 @@ impl Worker {
     fn on_answer(&self, token: u32, body_size: usize, context: In) {
         let caller = self.callouts.borrow_mut().answered(token);
         // A reset callout has no headers at all: read them as a list, never `:status` by name.
-        let status = hostcalls::get_map_bytes(MapType::HttpCallResponseHeaders)
+        let status = host::header_map(MapType::HttpCallResponseHeaders)
             .unwrap_or_default()
-            .into_iter()
-            .find(|(name, _)| name == ":status")
-            .and_then(|(_, value)| std::str::from_utf8(&value).ok()?.parse::<u16>().ok());
+            .text(":status")
+            .and_then(|status| status.parse::<u16>().ok());
         match caller {
             Some(Caller::Prefill(request)) => {
-                let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                    .ok()
-                    .flatten()
+                let body = host::buffer(BufferType::HttpCallResponseBody, 0, body_size)
                     .unwrap_or_default();
                 let clock = Clock::default();
                 let commands = request.session.borrow_mut().on_prefill_answer(
@@ -303,7 +313,7 @@ impl Worker {
         }
         let alive = request.alive.get();
         if alive && context == In::Root {
-            if let Err(status) = hostcalls::set_effective_context(request.context_id) {
+            if let Err(status) = host::set_effective_context(request.context_id) {
                 log::debug!("set_effective_context: {status:?}");
                 return;
             }
@@ -373,7 +383,7 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
             }
         }
         Command::ClearRouteCache => {
-            let _ = hostcalls::call_foreign_function("clear_route_cache", None);
+            let _ = host::call_foreign_function("clear_route_cache");
         }
         Command::ReplaceRequestBody { body, replaced_len } => {
             if let Err(status) =
@@ -442,10 +452,7 @@ fn first_to_announce(configuration: &[u8]) -> bool {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     configuration.hash(&mut hasher);
     let key = format!("pd-filter.configured.{:016x}", hasher.finish());
-    match hostcalls::get_shared_data(&key) {
-        Ok((Some(_), _)) => false,
-        _ => hostcalls::set_shared_data(&key, Some(b"1"), None).is_ok(),
-    }
+    !host::has_shared_data(&key) && host::set_shared_data(&key, b"1").is_ok()
 }
 
 impl Context for PdRoot {
@@ -464,19 +471,17 @@ impl Context for PdRoot {
 
 impl RootContext for PdRoot {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        let bytes = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let bytes =
+            host::buffer(BufferType::PluginConfiguration, 0, usize::MAX).unwrap_or_default();
         // Follow Envoy's level, so that debug lines cost nothing per request unless asked for.
-        if let Ok(level) = hostcalls::get_log_level() {
+        if let Some(level) = host::log_level().ok().and_then(log_level) {
             proxy_wasm::set_log_level(level);
         }
         let _ = self.worker.stats.get_or_init(Stats::define);
         if self.worker.queue.get().is_none() {
             // One queue per worker: a name shared by workers would hand calls across threads.
             let name = format!("pd-filter-{}", new_request_id());
-            match hostcalls::register_shared_queue(&name) {
+            match host::register_shared_queue(&name) {
                 Ok(queue) => self.worker.queue.set(Some(queue)),
                 Err(status) => log::warn!(
                     "no shared queue ({status:?}): prefill answers for clients that left are lost"
@@ -558,7 +563,7 @@ impl Context for PdRequest {
 impl HttpContext for PdRequest {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         // One host call for all headers rather than one per header.
-        let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
+        let headers = host::header_map(MapType::HttpRequestHeaders).unwrap_or_default();
         let step = self
             .request
             .session
@@ -585,25 +590,20 @@ impl HttpContext for PdRequest {
         if !self.request.session.borrow().watches_response() {
             return Action::Continue;
         }
-        let headers = hostcalls::get_map_bytes(MapType::HttpResponseHeaders).unwrap_or_default();
-        let value = |name: &str| {
-            headers
-                .iter()
-                .find(|(key, _)| key == name)
-                .and_then(|(_, value)| std::str::from_utf8(value).ok())
-        };
-        let status = value(":status").and_then(|status| status.parse().ok());
+        let headers = host::header_map(MapType::HttpResponseHeaders).unwrap_or_default();
+        let status = headers
+            .text(":status")
+            .and_then(|status| status.parse().ok());
         let wanted = self.request.session.borrow().wants_response_details(status);
         let details = wanted
-            .then(|| hostcalls::get_property(vec!["response", "code_details"]).ok())
-            .flatten()
+            .then(|| host::property(&["response", "code_details"]).ok())
             .flatten()
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
         let head = ResponseHead {
             status,
-            content_type: value("content-type"),
-            has_request_id: value("x-request-id").is_some(),
-            has_content_length: value("content-length").is_some(),
+            content_type: headers.text("content-type"),
+            has_request_id: headers.value("x-request-id").is_some(),
+            has_content_length: headers.value("content-length").is_some(),
             code_details: details.as_deref(),
         };
         let commands = self.request.session.borrow_mut().on_response_headers(&head);
@@ -621,10 +621,8 @@ impl HttpContext for PdRequest {
         let step = match step {
             BodyStep::Step(step) => step,
             BodyStep::ReadBody => {
-                let body = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
-                    .ok()
-                    .flatten()
-                    .unwrap_or_default();
+                let body =
+                    host::buffer(BufferType::HttpResponseBody, 0, body_size).unwrap_or_default();
                 self.request
                     .session
                     .borrow_mut()
@@ -641,13 +639,13 @@ impl PdRequest {
         match step {
             BodyStep::Step(step) => self.run_with(step, &clock),
             BodyStep::ReadBody => {
-                let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX);
+                let body = host::buffer(BufferType::HttpRequestBody, 0, usize::MAX);
                 let step = match body {
                     Ok(body) => self
                         .request
                         .session
                         .borrow_mut()
-                        .on_request_complete(body.unwrap_or_default(), clock.now()),
+                        .on_request_complete(body, clock.now()),
                     Err(status) => {
                         log::debug!("get_buffer(HttpRequestBody): {status:?}");
                         let commands = self

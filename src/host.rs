@@ -1,13 +1,76 @@
-//! The host calls that change a request or its answer, made through the proxy-wasm ABI
-//! directly. The SDK's `hostcalls` wrappers panic on any status they do not expect (and a
-//! panic kills the VM for every later request), while Envoy refuses these calls in states a
-//! client can bring about: a body or header written after the stream moved on, a local reply
-//! after the answer began. Here every refusal is a value, the host's status.
+//! The proxy-wasm host calls the filter makes, through the ABI directly. The SDK's
+//! `hostcalls` wrappers panic on any status they do not expect (and a panic kills the VM for
+//! every later request), while Envoy refuses calls in states a client can bring about: a body
+//! or header written after the stream moved on, a local reply after the answer began. Here
+//! every refusal is a value, the host's status. Only `dispatch_http_call` stays the SDK's:
+//! the SDK must see each call's token to route its answer.
 
-use proxy_wasm::types::{BufferType, MapType, StreamType};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use proxy_wasm::types::{BufferType, MapType, MetricType, StreamType};
+
+use crate::headers::HeaderMap;
 
 #[link(wasm_import_module = "env")]
 extern "C" {
+    fn proxy_get_header_map_pairs(
+        map_type: MapType,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_buffer_bytes(
+        buffer_type: BufferType,
+        start: usize,
+        max_size: usize,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_property(
+        path: *const u8,
+        path_size: usize,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
+    fn proxy_get_log_level(return_level: *mut u32) -> u32;
+    fn proxy_set_effective_context(context_id: u32) -> u32;
+    fn proxy_call_foreign_function(
+        name: *const u8,
+        name_size: usize,
+        arguments: *const u8,
+        arguments_size: usize,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
+    ) -> u32;
+    fn proxy_register_shared_queue(name: *const u8, name_size: usize, return_id: *mut u32) -> u32;
+    fn proxy_enqueue_shared_queue(queue_id: u32, value: *const u8, value_size: usize) -> u32;
+    fn proxy_dequeue_shared_queue(
+        queue_id: u32,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
+    ) -> u32;
+    fn proxy_get_shared_data(
+        key: *const u8,
+        key_size: usize,
+        return_data: *mut *mut u8,
+        return_size: *mut usize,
+        return_cas: *mut u32,
+    ) -> u32;
+    fn proxy_set_shared_data(
+        key: *const u8,
+        key_size: usize,
+        value: *const u8,
+        value_size: usize,
+        cas: u32,
+    ) -> u32;
+    fn proxy_define_metric(
+        metric_type: MetricType,
+        name: *const u8,
+        name_size: usize,
+        return_id: *mut u32,
+    ) -> u32;
+    fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+    fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
     fn proxy_set_buffer_bytes(
         buffer_type: BufferType,
         start: usize,
@@ -57,8 +120,126 @@ fn result(status: u32) -> Result<(), u32> {
     }
 }
 
+/// The ABI's `Empty` status: a queue with nothing in it.
+const EMPTY: u32 = 7;
+
+/// Takes the bytes the host wrote into memory it had the VM allocate
+/// (`proxy_on_memory_allocate`, the SDK's export: a boxed slice of exactly `size` bytes).
+///
+/// SAFETY: `data` is null, or the host's allocation of `size` bytes, handed over once.
+unsafe fn take_host_bytes(data: *mut u8, size: usize) -> Vec<u8> {
+    if data.is_null() {
+        Vec::new()
+    } else {
+        Vec::from_raw_parts(data, size, size)
+    }
+}
+
+/// Calls a host function that returns bytes, and takes them.
+fn read(call: impl FnOnce(*mut *mut u8, *mut usize) -> u32) -> Result<Vec<u8>, u32> {
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    let status = call(&mut data, &mut size);
+    // SAFETY: whatever the status, a non-null `data` is an allocation the host made for us.
+    let bytes = unsafe { take_host_bytes(data, size) };
+    result(status).map(|()| bytes)
+}
+
 // SAFETY (every call below): each pointer and length describes a live byte slice for the
 // whole call; the host copies what it reads and keeps no reference.
+
+/// A header map, read in one call.
+pub fn header_map(map: MapType) -> Result<HeaderMap, u32> {
+    read(|data, size| unsafe { proxy_get_header_map_pairs(map, data, size) })
+        .map(HeaderMap::from_serialized)
+}
+
+/// Up to `max_size` bytes of a buffer from `start`.
+pub fn buffer(buffer: BufferType, start: usize, max_size: usize) -> Result<Vec<u8>, u32> {
+    read(|data, size| unsafe { proxy_get_buffer_bytes(buffer, start, max_size, data, size) })
+}
+
+/// A property (e.g. `["response", "code_details"]`).
+pub fn property(path: &[&str]) -> Result<Vec<u8>, u32> {
+    let path = path.join("\0");
+    read(|data, size| unsafe { proxy_get_property(path.as_ptr(), path.len(), data, size) })
+}
+
+/// The host's wall clock.
+pub fn now() -> Result<SystemTime, u32> {
+    let mut nanos: u64 = 0;
+    result(unsafe { proxy_get_current_time_nanoseconds(&mut nanos) })?;
+    Ok(UNIX_EPOCH + Duration::from_nanos(nanos))
+}
+
+/// The host's log level, as the ABI numbers it (0 trace to 5 critical).
+pub fn log_level() -> Result<u32, u32> {
+    let mut level: u32 = 0;
+    result(unsafe { proxy_get_log_level(&mut level) })?;
+    Ok(level)
+}
+
+/// Makes a request's stream the one later calls act on.
+pub fn set_effective_context(context_id: u32) -> Result<(), u32> {
+    result(unsafe { proxy_set_effective_context(context_id) })
+}
+
+/// Calls a host extension without arguments; its result is not needed.
+pub fn call_foreign_function(name: &str) -> Result<(), u32> {
+    read(|data, size| unsafe {
+        proxy_call_foreign_function(name.as_ptr(), name.len(), std::ptr::null(), 0, data, size)
+    })
+    .map(drop)
+}
+
+pub fn register_shared_queue(name: &str) -> Result<u32, u32> {
+    let mut queue: u32 = 0;
+    result(unsafe { proxy_register_shared_queue(name.as_ptr(), name.len(), &mut queue) })?;
+    Ok(queue)
+}
+
+pub fn enqueue(queue: u32, value: &[u8]) -> Result<(), u32> {
+    result(unsafe { proxy_enqueue_shared_queue(queue, value.as_ptr(), value.len()) })
+}
+
+/// The next item of a queue; `None` when it is empty.
+pub fn dequeue(queue: u32) -> Result<Option<Vec<u8>>, u32> {
+    match read(|data, size| unsafe { proxy_dequeue_shared_queue(queue, data, size) }) {
+        Ok(item) => Ok(Some(item)),
+        Err(EMPTY) => Ok(None),
+        Err(status) => Err(status),
+    }
+}
+
+/// Whether the data the plugin's VMs share has `key`.
+pub fn has_shared_data(key: &str) -> bool {
+    let mut cas: u32 = 0;
+    read(|data, size| unsafe {
+        proxy_get_shared_data(key.as_ptr(), key.len(), data, size, &mut cas)
+    })
+    .is_ok()
+}
+
+/// Sets shared data `key`, whatever it held.
+pub fn set_shared_data(key: &str, value: &[u8]) -> Result<(), u32> {
+    result(unsafe {
+        proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), 0)
+    })
+}
+
+pub fn define_metric(kind: MetricType, name: &str) -> Result<u32, u32> {
+    let mut id: u32 = 0;
+    result(unsafe { proxy_define_metric(kind, name.as_ptr(), name.len(), &mut id) })?;
+    Ok(id)
+}
+
+pub fn increment_metric(id: u32, offset: i64) -> Result<(), u32> {
+    result(unsafe { proxy_increment_metric(id, offset) })
+}
+
+pub fn record_metric(id: u32, value: u64) -> Result<(), u32> {
+    result(unsafe { proxy_record_metric(id, value) })
+}
 
 /// Replaces `size` bytes of the buffer from `start` with `data`.
 pub fn set_buffer(buffer: BufferType, start: usize, size: usize, data: &[u8]) -> Result<(), u32> {
@@ -93,7 +274,7 @@ pub fn resume_request() -> Result<(), u32> {
 
 /// Answers the client from the filter.
 pub fn send_reply(status: u16, headers: &[(String, String)], body: &[u8]) -> Result<(), u32> {
-    let headers = serialize_headers(headers);
+    let headers = HeaderMap::serialize(headers);
     result(unsafe {
         proxy_send_local_response(
             u32::from(status),
@@ -111,27 +292,4 @@ pub fn send_reply(status: u16, headers: &[(String, String)], body: &[u8]) -> Res
 /// Sets a one-segment property (a filter state key).
 pub fn set_property(key: &str, value: &[u8]) -> Result<(), u32> {
     result(unsafe { proxy_set_property(key.as_ptr(), key.len(), value.as_ptr(), value.len()) })
-}
-
-/// Headers in the ABI's map form: their count, each name's and value's length, then each
-/// name and value NUL-terminated (lengths little-endian u32).
-fn serialize_headers(headers: &[(String, String)]) -> Vec<u8> {
-    let size = 4 + headers
-        .iter()
-        .map(|(name, value)| 10 + name.len() + value.len())
-        .sum::<usize>();
-    let mut bytes = Vec::with_capacity(size);
-    let length = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
-    bytes.extend_from_slice(&length(headers.len()));
-    for (name, value) in headers {
-        bytes.extend_from_slice(&length(name.len()));
-        bytes.extend_from_slice(&length(value.len()));
-    }
-    for (name, value) in headers {
-        bytes.extend_from_slice(name.as_bytes());
-        bytes.push(0);
-        bytes.extend_from_slice(value.as_bytes());
-        bytes.push(0);
-    }
-    bytes
 }

@@ -9,6 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::api::Api;
 use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy, UsagePolicy};
+use crate::headers::HeaderLookup;
 use crate::protocol::kv_release::decode_never_read;
 use crate::protocol::paths::PathVerdict;
 use crate::protocol::prompt_logprobs;
@@ -285,14 +286,6 @@ impl Prefill {
     }
 }
 
-/// Looks a header up in the list the host gave; values that are not UTF-8 count as absent.
-fn header<'h>(headers: &'h [(String, Vec<u8>)], name: &str) -> Option<&'h str> {
-    headers
-        .iter()
-        .find(|(key, _)| key == name)
-        .and_then(|(_, value)| std::str::from_utf8(value).ok())
-}
-
 impl Session {
     pub fn new(config: Option<Rc<Config>>) -> Session {
         Session {
@@ -307,9 +300,9 @@ impl Session {
         &self.request_id
     }
 
-    pub fn on_request_headers(
+    pub fn on_request_headers<H: HeaderLookup + ?Sized>(
         &mut self,
-        headers: &[(String, Vec<u8>)],
+        headers: &H,
         end_of_stream: bool,
     ) -> Step {
         let Some(config) = self.config.clone() else {
@@ -321,17 +314,16 @@ impl Session {
         let mut commands = Vec::new();
         // Routing headers only ever come from the filter or the operator's scheduler.
         if let Some(name) = &config.model_header {
-            if headers.iter().any(|(key, _)| key == name.as_str()) {
+            if headers.value(name).is_some() {
                 commands.push(Command::RemoveRequestHeader(name.clone()));
                 commands.push(Command::ClearRouteCache);
             }
         }
         let path = headers
-            .iter()
-            .find(|(key, _)| key == ":path")
-            .map(|(_, value)| String::from_utf8_lossy(value).into_owned())
+            .value(":path")
+            .map(|value| String::from_utf8_lossy(value).into_owned())
             .unwrap_or_default();
-        let is_post = header(headers, ":method") == Some("POST");
+        let is_post = headers.text(":method") == Some("POST");
         let api = match config.classify_path(&path) {
             PathVerdict::Orchestrate(api) if is_post => api,
             PathVerdict::StripKvTransferParams if is_post && !end_of_stream => {
@@ -354,7 +346,7 @@ impl Session {
         self.api = Some(api);
 
         self.take_request_id(headers, &mut commands);
-        if let Err(error) = check_content_type(header(headers, "content-type")) {
+        if let Err(error) = check_content_type(headers.text("content-type")) {
             commands.extend(self.reject(&error));
             return Step::new(Flow::Pause, commands);
         }
@@ -362,8 +354,9 @@ impl Session {
             commands.extend(self.reject(&ClientError::bad_request("request body is empty")));
             return Step::new(Flow::Pause, commands);
         }
-        let declared_length =
-            header(headers, "content-length").and_then(|v| v.trim().parse::<usize>().ok());
+        let declared_length = headers
+            .text("content-length")
+            .and_then(|v| v.trim().parse::<usize>().ok());
         if declared_length.is_some_and(|length| length > config.max_request_body_bytes) {
             commands.extend(self.reject(&ClientError::payload_too_large(
                 config.max_request_body_bytes,
@@ -372,7 +365,7 @@ impl Session {
         }
         let mut scheduled_hosts = Vec::new();
         if config.prefill_host_cluster.is_some() {
-            if let Some(value) = header(headers, &config.prefill_host_header) {
+            if let Some(value) = headers.text(&config.prefill_host_header) {
                 // The scheduler's choice is for the prefill leg only.
                 commands.push(Command::RemoveRequestHeader(
                     config.prefill_host_header.clone(),
@@ -393,7 +386,9 @@ impl Session {
         // The decode body differs from the client's: let Envoy frame it.
         commands.push(Command::RemoveRequestHeader("content-length".to_owned()));
 
-        let authority = header(headers, ":authority").unwrap_or(&config.prefill_cluster);
+        let authority = headers
+            .text(":authority")
+            .unwrap_or(&config.prefill_cluster);
         let mut prefill_headers = vec![
             (":method".to_owned(), "POST".to_owned()),
             (":path".to_owned(), path),
@@ -402,7 +397,7 @@ impl Session {
             ("x-request-id".to_owned(), self.request_id.clone()),
         ];
         for name in &config.forward_headers {
-            if let Some(value) = header(headers, name) {
+            if let Some(value) = headers.text(name) {
                 prefill_headers.push((name.clone(), value.to_owned()));
             }
         }
@@ -1063,8 +1058,12 @@ impl Session {
     }
 
     /// The request id both legs carry: the client's (or Envoy's), else a new one.
-    fn take_request_id(&mut self, headers: &[(String, Vec<u8>)], commands: &mut Vec<Command>) {
-        self.request_id = match header(headers, "x-request-id").filter(|id| !id.is_empty()) {
+    fn take_request_id<H: HeaderLookup + ?Sized>(
+        &mut self,
+        headers: &H,
+        commands: &mut Vec<Command>,
+    ) {
+        self.request_id = match headers.text("x-request-id").filter(|id| !id.is_empty()) {
             Some(id) => id.to_owned(),
             None => {
                 let id = new_request_id();

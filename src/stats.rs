@@ -8,10 +8,10 @@
 //! or Istio's `extraStatTags`) `/stats/prometheus` shows
 //! `pd_filter_requests{api="chat_completions",outcome="decoded"}`.
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
 use crate::api::Api;
+use crate::host;
 use crate::protocol::FailureKind;
 use crate::session::{Metric, Outcome, PrefillResult};
 
@@ -43,7 +43,7 @@ fn stat_name(name: &str, labels: &[(&str, &str)]) -> String {
 
 fn define(kind: MetricType, name: &str, labels: &[(&str, &str)]) -> Option<u32> {
     let name = stat_name(name, labels);
-    match hostcalls::define_metric(kind, &name) {
+    match host::define_metric(kind, &name) {
         Ok(id) => Some(id),
         Err(status) => {
             log::warn!("could not define the metric {name}: {status:?}");
@@ -59,7 +59,7 @@ fn counter(name: &str, labels: &[(&str, &str)]) -> Option<u32> {
 fn increment(metric: Option<u32>) {
     if let Some(id) = metric {
         // A stat that cannot be written is not worth failing a request for.
-        let _ = hostcalls::increment_metric(id, 1);
+        let _ = host::increment_metric(id, 1);
     }
 }
 
@@ -120,7 +120,7 @@ impl Stats {
                 let histogram = lookup(&PrefillResult::ALL, &self.prefill_latency_ms, &result);
                 if let Some(id) = histogram {
                     let millis = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
-                    let _ = hostcalls::record_metric(id, millis);
+                    let _ = host::record_metric(id, millis);
                 }
             }
         }
