@@ -64,6 +64,7 @@ struct RawConfig {
     prefill_time_header: Option<String>,
     release_kv_on_abandon: bool,
     usage: UsagePolicy,
+    decode_forces_include_usage: bool,
     decode_cluster: String,
     max_kv_releases_in_flight: u32,
     kv_release_timeout_ms: u64,
@@ -102,6 +103,7 @@ impl Default for RawConfig {
             replace_local_remote_host: false,
             release_kv_on_abandon: true,
             usage: UsagePolicy::Merge,
+            decode_forces_include_usage: false,
             decode_cluster: "decode".to_owned(),
             max_kv_releases_in_flight: 64,
             kv_release_timeout_ms: 30_000,
@@ -182,6 +184,10 @@ pub struct Config {
     /// never reached, or the filter answered an error after prefill).
     pub release_kv_on_abandon: bool,
     pub usage: UsagePolicy,
+    /// Decode runs with vLLM's `--enable-force-include-usage`: a completions or chat stream
+    /// carries usage even when its client did not ask for it, so every such stream is read
+    /// for its usage. Otherwise only streams whose client sent `stream_options` are.
+    pub decode_forces_include_usage: bool,
     /// The decode cluster releases are sent to.
     pub decode_cluster: String,
     pub max_kv_releases_in_flight: u32,
@@ -348,6 +354,7 @@ impl Config {
             forward_headers,
             release_kv_on_abandon: raw.release_kv_on_abandon,
             usage: raw.usage,
+            decode_forces_include_usage: raw.decode_forces_include_usage,
             decode_cluster: raw.decode_cluster,
             max_kv_releases_in_flight: raw.max_kv_releases_in_flight,
             kv_release_timeout: Duration::from_millis(raw.kv_release_timeout_ms),
@@ -412,6 +419,7 @@ const SHAPES: &[(&str, Shape)] = &[
     ("prefill_time_header", Shape::OptionalText),
     ("release_kv_on_abandon", Shape::Flag),
     ("usage", Shape::Choice(&["merge", "decode"])),
+    ("decode_forces_include_usage", Shape::Flag),
     ("decode_cluster", Shape::Text),
     ("max_kv_releases_in_flight", Shape::Count(u32::MAX as u64)),
     ("kv_release_timeout_ms", Shape::Count(u64::MAX)),

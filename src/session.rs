@@ -192,6 +192,8 @@ enum State {
         unread_kv: Option<UnreadKv>,
         /// Prefill's prompt counts, to put into decode's usage.
         prompt_usage: Option<(Api, PromptUsage)>,
+        /// A streamed answer carries usage: read its chunks for it.
+        stream_usage: bool,
         /// Prefill's prompt logprobs, to put into decode's answer.
         prompt_logprobs: Option<(Api, Value)>,
         answer: AnswerRewrite,
@@ -652,10 +654,13 @@ impl Session {
                     model: prefill.model,
                     headers: prefill.prefill_headers,
                 });
+                let stream_usage =
+                    prefill.decode.stream_usage_asked || config.decode_forces_include_usage;
                 self.state = State::Decoding {
                     prefill_time,
                     unread_kv,
                     prompt_usage,
+                    stream_usage,
                     prompt_logprobs,
                     answer: AnswerRewrite::Untouched,
                 };
@@ -781,6 +786,7 @@ impl Session {
             prefill_time: Some(prefill.elapsed(now)),
             unread_kv: None,
             prompt_usage: None,
+            stream_usage: false,
             prompt_logprobs: None,
             answer: AnswerRewrite::Untouched,
         };
@@ -844,6 +850,7 @@ impl Session {
             prefill_time,
             unread_kv,
             prompt_usage,
+            stream_usage,
             prompt_logprobs,
             answer,
         } = &mut self.state
@@ -870,8 +877,7 @@ impl Session {
                 .map(str::trim)
                 .unwrap_or_default();
             let rewrite = if essence.eq_ignore_ascii_case("text/event-stream") {
-                prompt_usage
-                    .is_some()
+                (prompt_usage.is_some() && *stream_usage)
                     .then(|| AnswerRewrite::Events(EventStream::default()))
             } else {
                 essence

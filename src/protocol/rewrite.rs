@@ -53,6 +53,11 @@ pub struct DecodePlan {
     /// The client asked for prompt logprobs: decode on prefill's KV does not get the request
     /// for them, prefill's go into its answer.
     pub prompt_logprobs_from_prefill: bool,
+    /// Decode's answer, when streamed, carries usage as vLLM writes it by default: always on
+    /// the Responses, Messages and tokens-in APIs; on completions and chat only when the
+    /// client sent `stream_options` (vLLM's `include_usage` defaults to true once they are
+    /// there, and any value but null counts).
+    pub stream_usage_asked: bool,
     /// Where the client's first member may start, in the JSON text (just past the opening
     /// brace), when prefill's `kv_transfer_params` can go in before it: the client sent
     /// none, and at least one other member.
@@ -193,6 +198,10 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     let decode = DecodePlan {
         json_start,
         prompt_logprobs_from_prefill: asks_prompt_logprobs,
+        stream_usage_asked: !matches!(api, Api::Completions | Api::ChatCompletions)
+            || object
+                .last_value("stream_options")
+                .is_some_and(|value| value != b"null"),
         first_member,
         with_kv: object.splice(kv_edit(Edit::Slot), append_kv),
         without_kv: has_client_kv.then(|| object.splice(kv_edit(Edit::Remove), &[])),

@@ -329,12 +329,12 @@ fn has_release(commands: &[Command]) -> bool {
 
 /// A request whose prefill call went out (token 1).
 fn prefilling(config: &str) -> Session {
+    prefilling_body(config, r#"{"prompt":"x","max_tokens":50,"stream":true}"#)
+}
+
+fn prefilling_body(config: &str, body: &str) -> Session {
     let mut s = session(config);
-    send(
-        &mut s,
-        &post("/v1/completions"),
-        r#"{"prompt":"x","max_tokens":50,"stream":true}"#,
-    );
+    send(&mut s, &post("/v1/completions"), body);
     s.on_prefill_dispatched(Some(1), at(0));
     s
 }
@@ -755,6 +755,48 @@ fn host_failures_become_500() {
     assert_eq!(reply(&commands).0, 500);
 }
 
+/// Whether decode's stream is read chunk by chunk for its usage.
+fn reads_stream(config: &str, path: &str, body: &str) -> bool {
+    let prefill_answer = if path == "/v1/responses" {
+        format!(
+            r#"{{"id":"p","kv_transfer_params":{KV},"usage":{{"input_tokens":3,"output_tokens":1,"total_tokens":4,"input_tokens_details":{{"cached_tokens":0}}}}}}"#
+        )
+    } else {
+        prefill_with_usage(0)
+    };
+    let mut s = session(config);
+    send(&mut s, &post(path), body);
+    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_answer(1, Some(200), prefill_answer.as_bytes(), at(5));
+    s.on_response_headers(&ResponseHead {
+        content_type: Some("text/event-stream"),
+        ..upstream(200)
+    });
+    s.on_response_body(40, false) == BodyStep::ReadBody
+}
+
+#[test]
+fn a_stream_is_read_for_usage_only_where_decode_sends_usage() {
+    let completions = "/v1/completions";
+    // vLLM sends usage in a completions or chat stream only when stream_options are there
+    // (include_usage defaults to true inside them), or when forced on the server.
+    for (body, read) in [
+        (r#"{"prompt":"x","stream":true}"#, false),
+        (r#"{"prompt":"x","stream":true,"stream_options":null}"#, false),
+        (r#"{"prompt":"x","stream":true,"stream_options":{}}"#, true),
+        (r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":"yes"}}"#, true),
+        (r#"{"prompt":"x","stream_options":{},"stream":true,"stream_options":null}"#, false),
+    ] {
+        assert_eq!(reads_stream("", completions, body), read, "{body}");
+    }
+    let forced = r#"{"decode_forces_include_usage":true}"#;
+    assert!(reads_stream(forced, completions, r#"{"prompt":"x","stream":true}"#));
+    let chat = r#"{"messages":[{"role":"user","content":"x"}],"stream":true}"#;
+    assert!(!reads_stream("", "/v1/chat/completions", chat));
+    // The Responses API always ends its stream with usage.
+    assert!(reads_stream("", "/v1/responses", r#"{"input":"x","stream":true}"#));
+}
+
 fn prefill_with_usage(cached: u64) -> String {
     format!(
         r#"{{"id":"p","kv_transfer_params":{KV},"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
@@ -785,7 +827,8 @@ fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
     assert_eq!(merged["usage"]["total_tokens"], 12);
 
     // A stream: only the usage event changes, every other chunk goes as it came.
-    let mut s = prefilling("");
+    let asks_usage = r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#;
+    let mut s = prefilling_body("", asks_usage);
     s.on_prefill_answer(1, Some(200), prefill_with_usage(0).as_bytes(), at(5));
     let head = ResponseHead {
         content_type: Some("text/event-stream; charset=utf-8"),
@@ -793,7 +836,7 @@ fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
     };
     // The usage event changes length: a stream that came with a content-length goes on
     // without one (Envoy frames it); one without has nothing to remove.
-    let mut chunked = prefilling("");
+    let mut chunked = prefilling_body("", asks_usage);
     chunked.on_prefill_answer(1, Some(200), prefill_with_usage(0).as_bytes(), at(5));
     let without_length = ResponseHead {
         has_content_length: false,
