@@ -16,6 +16,8 @@
 //! vLLM sends a stream, which a filter may rewrite on the way). Decode's usage counts the
 //! prompt as a quarter of the body's bytes, all of it cached when prefill's KV came with the
 //! request (vLLM counts pulled KV as a prefix-cache hit).
+//! With `BENCH_STREAM_BY_EVENT` set, a stream goes out one event per write, as a generating
+//! vLLM sends it, so that a filter sees one chunk per event.
 //! `GET /stats` counts what it saw, so the bench can check that decode received the KV
 //! parameters prefill issued. Other `GET`s (a router's health checks) get `{}` and are not
 //! counted. Several addresses serve the same handler from the same threads: a router that
@@ -163,6 +165,9 @@ fn find_from(hay: &[u8], start: usize, needle: &[u8]) -> bool {
 struct OnePiece {
     data: Option<Bytes>,
     sized: bool,
+    /// Send each event (each `\n\n`-ended part) in its own write, as a generating vLLM does.
+    by_event: bool,
+    flush_first: bool,
 }
 
 impl Body for OnePiece {
@@ -171,9 +176,29 @@ impl Body for OnePiece {
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
+        cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.data.take().map(|data| Ok(Frame::data(data))))
+        if !self.by_event {
+            return Poll::Ready(self.data.take().map(|data| Ok(Frame::data(data))));
+        }
+        // A pending turn between events makes hyper write out the one before.
+        if std::mem::take(&mut self.flush_first) {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let Some(data) = self.data.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let end = data
+            .windows(2)
+            .position(|pair| pair == b"\n\n")
+            .map_or(data.len(), |at| at + 2);
+        let event = data.split_to(end);
+        if data.is_empty() {
+            self.data = None;
+        }
+        self.flush_first = true;
+        Poll::Ready(Some(Ok(Frame::data(event))))
     }
 
     fn is_end_stream(&self) -> bool {
@@ -193,6 +218,8 @@ fn json(status: StatusCode, body: impl Into<Bytes>) -> Response<OnePiece> {
     let body = OnePiece {
         data: Some(body.into()),
         sized: true,
+        by_event: false,
+        flush_first: false,
     };
     answer(status, "application/json", body)
 }
@@ -201,6 +228,8 @@ fn events(body: impl Into<Bytes>) -> Response<OnePiece> {
     let body = OnePiece {
         data: Some(body.into()),
         sized: false,
+        by_event: std::env::var_os("BENCH_STREAM_BY_EVENT").is_some(),
+        flush_first: false,
     };
     answer(StatusCode::OK, "text/event-stream", body)
 }
