@@ -885,3 +885,55 @@ async fn a_utf8_bom_before_the_body_is_served_and_both_legs_get_valid_json() {
     }
     run_cases_then_still_serves(cases, "default").await;
 }
+
+// ----------------------------------------------------------------------------------------
+// 11. Stripped paths (`stripping`: /v1/messages is not orchestrated, its kv_transfer_params
+// are removed)
+
+#[tokio::test]
+async fn a_stripped_path_never_passes_on_a_body_the_filter_cannot_read() {
+    let mut cases = Vec::new();
+    // A body the filter reads: decode gets it without the client's kv_transfer_params.
+    cases.push(case("plain JSON", async move {
+        let id = unique_id("strip-plain");
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#
+        );
+        let reply = post_json("stripping", "/v1/messages", &id, body).await;
+        assert_envoy_alive();
+        assert_eq!(decoded(&id).len(), 1, "{} {}", reply.status, reply.body);
+        assert_decode_never_got_client_kv(&id);
+        assert!(prefilled(&id).is_empty());
+    }));
+    // Bodies Python's json.loads (vLLM's parser) reads as an object carrying the client's
+    // kv_transfer_params, but which are not JSON to the filter: refused, never passed on.
+    let text = |extra: &str| {
+        format!(
+            r#"{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":3{extra},"kv_transfer_params":{CLIENT_KV}}}"#
+        )
+    };
+    let utf16: Vec<u8> = text("").encode_utf16().flat_map(u16::to_le_bytes).collect();
+    for (name, body) in [
+        ("NaN", text(r#","x":NaN"#).into_bytes()),
+        ("-Infinity", text(r#","x":-Infinity"#).into_bytes()),
+        ("UTF-16", utf16),
+    ] {
+        cases.push(case(name, async move {
+            let id = unique_id("strip-unreadable");
+            let reply = post_json("stripping", "/v1/messages", &id, body).await;
+            assert_envoy_alive();
+            let decodes = decoded(&id);
+            assert!(
+                decodes.is_empty(),
+                "{name}: decode got {:?}",
+                decodes
+                    .iter()
+                    .map(|r| preview(&String::from_utf8_lossy(&r.body)))
+                    .collect::<Vec<_>>()
+            );
+            assert_filter_error(&reply, 400, name);
+            assert_healthy();
+        }));
+    }
+    run_cases_then_still_serves(cases, "stripping").await;
+}

@@ -150,13 +150,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     } else {
         0
     };
-    let object = JsonObject::parse(json_text(body, json_start)).map_err(|e| {
-        let what = match e.kind {
-            JsonErrorKind::InvalidUtf8 => "is not valid UTF-8",
-            JsonErrorKind::Syntax(_) => "is not a JSON object",
-        };
-        ClientError::bad_request(format!("request body {what}: {e}"))
-    })?;
+    let object = parse_body(json_text(body, json_start))?;
     refuse_nested_kv_transfer_params(&object)?;
     let asks_prompt_logprobs = matches!(api, Api::Completions | Api::ChatCompletions)
         && object
@@ -217,9 +211,22 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     })
 }
 
+/// The client's body as a JSON object, or the 400 that says why it is not one.
+fn parse_body(text: &[u8]) -> Result<JsonObject<'_>, ClientError> {
+    JsonObject::parse(text).map_err(|e| {
+        let what = match e.kind {
+            JsonErrorKind::InvalidUtf8 => "is not valid UTF-8",
+            JsonErrorKind::Syntax(_) => "is not a JSON object",
+        };
+        ClientError::bad_request(format!("request body {what}: {e}"))
+    })
+}
+
 /// A request for a generation API the filter does not orchestrate, without any client
-/// `kv_transfer_params`: `Ok(None)` when there is nothing to remove (or it is not a JSON
-/// object, which the backend refuses on its own).
+/// `kv_transfer_params`: `Ok(None)` when there is nothing to remove. A body the filter cannot
+/// read as a JSON object is refused rather than passed on: Python's `json`, which vLLM parses
+/// it with, also reads UTF-16 and UTF-32 bodies and `NaN`, `Infinity` and `-Infinity`, so
+/// such a body could carry `kv_transfer_params` that the filter never saw.
 pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientError> {
     let json_start = if body.starts_with(UTF8_BOM) {
         UTF8_BOM.len()
@@ -227,9 +234,7 @@ pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientEr
         0
     };
     let text = json_text(body, json_start);
-    let Ok(object) = JsonObject::parse(text) else {
-        return Ok(None);
-    };
+    let object = parse_body(text)?;
     refuse_nested_kv_transfer_params(&object)?;
     if !object.has(KV_TRANSFER_PARAMS) {
         return Ok(None);
@@ -650,7 +655,33 @@ mod tests {
             br#"{"x":1}"#
         );
         assert_eq!(strip_kv_transfer_params(br#"{"x":1}"#), Ok(None));
-        assert_eq!(strip_kv_transfer_params(b"not json"), Ok(None));
+    }
+
+    #[test]
+    fn stripping_refuses_a_body_it_cannot_read_as_a_json_object() {
+        // Python's json.loads, which vLLM uses, reads every one of these as an object that
+        // carries kv_transfer_params; passed on untouched, decode would pull the client's KV.
+        let kv = r#""kv_transfer_params":{"do_remote_prefill":true,"remote_host":"10.0.0.9"}"#;
+        let utf8 = format!(r#"{{"prompt":"x",{kv}}}"#);
+        let utf16: Vec<u8> = utf8.encode_utf16().flat_map(u16::to_le_bytes).collect();
+        let utf32: Vec<u8> = utf8
+            .chars()
+            .flat_map(|c| u32::from(c).to_be_bytes())
+            .collect();
+        let cases: Vec<Vec<u8>> = vec![
+            utf16,
+            utf32,
+            format!(r#"{{"x":NaN,{kv}}}"#).into_bytes(),
+            format!(r#"{{"x":Infinity,{kv}}}"#).into_bytes(),
+            format!(r#"{{"x":-Infinity,{kv}}}"#).into_bytes(),
+            b"not json".to_vec(),
+            b"".to_vec(),
+            b"[1]".to_vec(),
+        ];
+        for body in cases {
+            let error = strip_kv_transfer_params(&body).unwrap_err();
+            assert_eq!(error.status, 400, "{}", String::from_utf8_lossy(&body));
+        }
     }
 
     #[test]

@@ -721,6 +721,19 @@ fn other_generation_apis_lose_client_kv_transfer_params() {
 }
 
 #[test]
+fn other_generation_apis_refuse_a_body_the_filter_cannot_read() {
+    // vLLM's json.loads reads NaN; passed on untouched, the client's kv_transfer_params
+    // would reach decode.
+    let mut s = session("");
+    s.on_request_headers(&post("/invocations"), false);
+    let body = r#"{"x":NaN,"kv_transfer_params":{"remote_host":"6.6.6.6"}}"#;
+    let step = s.on_request_complete(body.as_bytes().to_vec(), at(0));
+    assert_eq!(step.flow, Flow::Pause);
+    assert_eq!(reply(&step.commands).0, 400);
+    assert_eq!(replaced_body(body, &step.commands), None);
+}
+
+#[test]
 fn a_request_id_is_made_when_the_client_has_none() {
     let mut s = session("");
     let list: Vec<(String, Vec<u8>)> = post("/v1/completions")

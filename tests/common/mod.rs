@@ -102,6 +102,12 @@ pub const LISTENERS: &[Listener] = &[
         ..plain("tight_buffer", r#"{"max_request_body_bytes":65536}"#)
     },
     plain("usage_decode", r#"{"usage":"decode"}"#),
+    // /v1/messages and /inference/v1/generate left out of `paths`: they are stripped paths,
+    // and the mock decode records what reaches them.
+    plain(
+        "stripping",
+        r#"{"paths":["/v1/completions","/v1/chat/completions","/v1/responses"]}"#,
+    ),
     // Decode cannot be reached; KV releases still go to the `decode` cluster.
     Listener {
         decode_route: DecodeRoute::Unreachable,
