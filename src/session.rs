@@ -288,6 +288,17 @@ impl Prefill {
     }
 }
 
+/// Whether vLLM takes this content-type as JSON: its media type, lowercased, is exactly
+/// `application/json` (vLLM's `validate_json_request`).
+fn is_vllm_json(content_type: Option<&str>) -> bool {
+    content_type.is_some_and(|value| {
+        value
+            .split(';')
+            .next()
+            .is_some_and(|media_type| media_type.eq_ignore_ascii_case("application/json"))
+    })
+}
+
 impl Session {
     pub fn new(config: Option<Rc<Config>>) -> Session {
         Session {
@@ -387,6 +398,16 @@ impl Session {
         }
         // The decode body differs from the client's: let Envoy frame it.
         commands.push(Command::RemoveRequestHeader("content-length".to_owned()));
+        // vLLM refuses any media type but exactly `application/json` (a missing one too),
+        // where the filter also takes `+json` types and no content-type at all: decode would
+        // refuse, after prefill's work, a request prefill (called with `application/json`)
+        // served. Decode gets the body the filter read as JSON, labelled as prefill's is.
+        if !is_vllm_json(headers.text("content-type")) {
+            commands.push(Command::SetRequestHeader {
+                name: "content-type".to_owned(),
+                value: "application/json".to_owned(),
+            });
+        }
 
         let authority = headers
             .text(":authority")

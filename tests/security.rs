@@ -937,3 +937,44 @@ async fn a_stripped_path_never_passes_on_a_body_the_filter_cannot_read() {
     }
     run_cases_then_still_serves(cases, "stripping").await;
 }
+
+// ----------------------------------------------------------------------------------------
+// 12. What decode is told the body is (vLLM takes exactly `application/json`)
+
+#[tokio::test]
+async fn decode_gets_application_json_whatever_json_type_the_client_named() {
+    let mut cases = Vec::new();
+    for content_type in [
+        None,
+        Some("application/vnd.api+json"),
+        Some("application/json ; charset=utf-8"),
+    ] {
+        cases.push(case(format!("{content_type:?}"), async move {
+            let id = unique_id("decode-content-type");
+            let prompt = format!("{id} labelled");
+            let body = json!({"prompt": prompt, "max_tokens": 3}).to_string();
+            let mut request = Request::post("default", "/v1/completions")
+                .id(&id)
+                .without_content_type();
+            if let Some(value) = content_type {
+                request = request.header("content-type", value);
+            }
+            let reply = send(request.body(body)).await;
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            let decode = assert_decode_got_prefills_kv(&id, &prompt);
+            let labels: Vec<&str> = decode
+                .headers
+                .iter()
+                .filter(|(name, _)| name == "content-type")
+                .map(|(_, value)| value.as_str())
+                .collect();
+            assert_eq!(
+                labels,
+                ["application/json"],
+                "{content_type:?}: decode would refuse the body prefill served"
+            );
+            assert_healthy();
+        }));
+    }
+    run_cases_then_still_serves(cases, "default").await;
+}

@@ -795,19 +795,36 @@ fn a_stream_is_read_for_usage_only_where_decode_sends_usage() {
     // (include_usage defaults to true inside them), or when forced on the server.
     for (body, read) in [
         (r#"{"prompt":"x","stream":true}"#, false),
-        (r#"{"prompt":"x","stream":true,"stream_options":null}"#, false),
+        (
+            r#"{"prompt":"x","stream":true,"stream_options":null}"#,
+            false,
+        ),
         (r#"{"prompt":"x","stream":true,"stream_options":{}}"#, true),
-        (r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":"yes"}}"#, true),
-        (r#"{"prompt":"x","stream_options":{},"stream":true,"stream_options":null}"#, false),
+        (
+            r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":"yes"}}"#,
+            true,
+        ),
+        (
+            r#"{"prompt":"x","stream_options":{},"stream":true,"stream_options":null}"#,
+            false,
+        ),
     ] {
         assert_eq!(reads_stream("", completions, body), read, "{body}");
     }
     let forced = r#"{"decode_forces_include_usage":true}"#;
-    assert!(reads_stream(forced, completions, r#"{"prompt":"x","stream":true}"#));
+    assert!(reads_stream(
+        forced,
+        completions,
+        r#"{"prompt":"x","stream":true}"#
+    ));
     let chat = r#"{"messages":[{"role":"user","content":"x"}],"stream":true}"#;
     assert!(!reads_stream("", "/v1/chat/completions", chat));
     // The Responses API always ends its stream with usage.
-    assert!(reads_stream("", "/v1/responses", r#"{"input":"x","stream":true}"#));
+    assert!(reads_stream(
+        "",
+        "/v1/responses",
+        r#"{"input":"x","stream":true}"#
+    ));
 }
 
 fn prefill_with_usage(cached: u64) -> String {
@@ -1120,4 +1137,44 @@ fn only_answers_to_requests_sent_on_to_decode_are_watched() {
     assert!(!s.watches_response(), "still prefilling");
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(s.watches_response());
+}
+
+#[test]
+fn decode_is_labelled_application_json_whatever_json_type_the_client_named() {
+    let set_json = Command::SetRequestHeader {
+        name: "content-type".into(),
+        value: "application/json".into(),
+    };
+    for (content_type, relabelled) in [
+        (Some("application/json"), false),
+        (Some("Application/JSON; charset=utf-8"), false),
+        (Some("application/vnd.api+json"), true),
+        (Some("application/json ; charset=utf-8"), true),
+        (None, true),
+    ] {
+        let mut list = post("/v1/completions");
+        list.retain(|(name, _)| name != "content-type");
+        if let Some(value) = content_type {
+            list.push(("content-type".into(), value.as_bytes().to_vec()));
+        }
+        let step = session("").on_request_headers(&list, false);
+        assert!(!has_reply(&step.commands), "{content_type:?}");
+        assert_eq!(
+            step.commands.contains(&set_json),
+            relabelled,
+            "{content_type:?}: {:?}",
+            step.commands
+        );
+    }
+    // A value that is not UTF-8 is not vLLM's application/json either.
+    let list = headers("POST", "/v1/completions", &[]);
+    let list: Vec<(String, Vec<u8>)> = list
+        .into_iter()
+        .map(|(name, value)| match name.as_str() {
+            "content-type" => (name, b"application/json\xff".to_vec()),
+            _ => (name, value),
+        })
+        .collect();
+    let step = session("").on_request_headers(&list, false);
+    assert!(step.commands.contains(&set_json));
 }
