@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 use crate::api::Api;
 use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy, UsagePolicy};
 use crate::headers::HeaderLookup;
-use crate::protocol::kv_release::decode_never_read;
+use crate::protocol::kv_release::{decode_never_read, decode_refused};
 use crate::protocol::paths::PathVerdict;
 use crate::protocol::prompt_logprobs;
 use crate::protocol::rewrite::{
@@ -850,7 +850,8 @@ impl Session {
 
     /// Whether [`Session::on_response_headers`] needs Envoy's `response.code_details` for an
     /// answer with this status: only while decode may not have taken the KV prefill made,
-    /// and only for the 5xx Envoy answers with when decode could not be reached.
+    /// and only for an error: a 5xx Envoy answers with when decode could not be reached, or
+    /// a 4xx that decode (or Envoy) answered.
     pub fn wants_response_details(&self, status: Option<u16>) -> bool {
         let unread = matches!(
             self.state,
@@ -859,7 +860,7 @@ impl Session {
                 ..
             }
         );
-        unread && status.is_none_or(|status| status >= 500)
+        unread && status.is_none_or(|status| status >= 400)
     }
 
     /// The response to the client begins.
@@ -921,6 +922,13 @@ impl Session {
                     "[{}] decode was never reached ({}); releasing the KV",
                     self.request_id,
                     head.code_details.unwrap_or_default()
+                );
+                commands.extend(self.release(&config, unread));
+            } else if decode_refused(head.status, head.code_details) {
+                log::debug!(
+                    "[{}] decode refused the request ({:?}); releasing the KV",
+                    self.request_id,
+                    head.status
                 );
                 commands.extend(self.release(&config, unread));
             }

@@ -158,6 +158,40 @@ async fn decode_that_times_out_after_prefill_answered_strands_no_kv() {
 }
 
 #[tokio::test]
+async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let id = unique_id("decode-refuses");
+    // Prefill gets one capped token without min_tokens and serves it; decode gets the
+    // client's own limits and refuses them, as vLLM's API server does, before any KV is read.
+    let body = json!({"model": "m", "prompt": "refused by decode", "max_tokens": 1,
+                      "min_tokens": 5})
+    .to_string();
+    let reply = Request::post("default", COMPLETIONS)
+        .id(&id)
+        .body(body)
+        .send()
+        .await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(
+        reply.body.contains("min_tokens"),
+        "decode's own error: {}",
+        reply.body
+    );
+    assert_eq!(h.prefill_requests(&id).len(), 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while releases(&id).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(releases(&id).len(), 1);
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+    assert_filter_healthy();
+}
+
+#[tokio::test]
 async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
     let _serial = SERIAL.lock().await;
     let h = harness();

@@ -413,13 +413,17 @@ async fn inference(
         body: body.to_vec(),
     });
 
-    if role == Role::Decode {
+    let faults = Faults::parse(&String::from_utf8_lossy(&body), role);
+    let parsed = proto::parse(endpoint, &body);
+    // vLLM refuses a request in its API server (a 4xx) before the engine, which reads the
+    // KV, sees it.
+    let refused = parsed.is_err() || faults.status.is_some_and(|status| status < 500);
+    if role == Role::Decode && !refused {
         // A decode worker takes the KV as soon as it has the request; one cancelled later
         // still tells prefill (vLLM's abort path), so the KV counts as read from here.
         let request: Value = serde_json::from_slice(&body).unwrap_or_default();
         read_remote_kv(request.get("kv_transfer_params")).await;
     }
-    let faults = Faults::parse(&String::from_utf8_lossy(&body), role);
     if let Some(ms) = faults.delay_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
@@ -438,7 +442,7 @@ async fn inference(
             .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         return Ok(resp);
     }
-    let parsed = match proto::parse(endpoint, &body) {
+    let parsed = match parsed {
         Ok(parsed) => parsed,
         Err(message) => return Ok(error_response(400, &message)),
     };

@@ -20,6 +20,16 @@ pub fn decode_never_read(code_details: &str) -> bool {
     code_details != "via_upstream" && NEVER_SENT.iter().any(|what| code_details.contains(what))
 }
 
+/// Whether decode itself refused the request (a 4xx of its own): vLLM checks a request in
+/// its API server, before the engine that would read prefill's KV ever sees it. A body that
+/// prefill served one capped token of can still fail decode's checks (`min_tokens` above a
+/// small `max_tokens`, a limit past the context), and its KV would wait for prefill's
+/// timeout.
+pub fn decode_refused(status: Option<u16>, code_details: Option<&str>) -> bool {
+    status.is_some_and(|status| (400..500).contains(&status))
+        && code_details == Some("via_upstream")
+}
+
 /// Whether decode took the release (its answer is otherwise discarded).
 pub fn release_succeeded(status: Option<u16>) -> bool {
     status.is_some_and(|status| (200..300).contains(&status))
@@ -55,6 +65,21 @@ impl ReleaseBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_4xx_decode_wrote_itself_left_the_kv_unread() {
+        assert!(decode_refused(Some(400), Some("via_upstream")));
+        assert!(decode_refused(Some(415), Some("via_upstream")));
+        // Envoy's own 4xx, an answer without details, a success or a 5xx: not decode's refusal.
+        assert!(!decode_refused(
+            Some(413),
+            Some("request_payload_too_large")
+        ));
+        assert!(!decode_refused(Some(400), None));
+        assert!(!decode_refused(Some(200), Some("via_upstream")));
+        assert!(!decode_refused(Some(500), Some("via_upstream")));
+        assert!(!decode_refused(None, Some("via_upstream")));
+    }
 
     #[test]
     fn only_answers_envoy_made_before_decode_took_the_request_need_a_release() {

@@ -437,6 +437,32 @@ fn kv_is_released_only_when_decode_never_took_the_request() {
 }
 
 #[test]
+fn kv_is_released_when_decode_refuses_a_request_prefill_served() {
+    // Prefill served one capped token; decode checks the client's own limits and says 400.
+    let mut s = prefilling_body("", r#"{"prompt":"x","max_tokens":1,"min_tokens":5}"#);
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert!(s.wants_response_details(Some(400)));
+    let release = released(&s.on_response_headers(&upstream(400)));
+    assert_eq!(release["max_tokens"], 1);
+    assert!(release.get("min_tokens").is_none(), "{release}");
+
+    // Envoy's own 4xx (no decode worker wrote it) is no sign either way.
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    let envoys = ResponseHead {
+        code_details: Some("request_payload_too_large"),
+        ..upstream(413)
+    };
+    assert!(!has_release(&s.on_response_headers(&envoys)));
+
+    // Switched off with the rest of the releases.
+    let mut s = prefilling(r#"{"release_kv_on_abandon":false}"#);
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert!(!s.wants_response_details(Some(400)));
+    assert!(!has_release(&s.on_response_headers(&upstream(400))));
+}
+
+#[test]
 fn retries_go_to_the_next_scheduled_host_within_the_time_budget() {
     let config = r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8"],"prefill_retries":3,"prefill_timeout_ms":1000}"#;
     let mut s = session(config);
