@@ -272,14 +272,19 @@ pub fn resume_request() -> Result<(), u32> {
     result(unsafe { proxy_continue_stream(StreamType::HttpRequest) })
 }
 
+/// Envoy's `response.code_details` of the filter's own answers: the shipped configurations'
+/// `local_reply_config` passes these on as they are (they are already OpenAI errors) and
+/// writes Envoy's own local replies in the same shape.
+const REPLY_DETAILS: &str = "pd_filter";
+
 /// Answers the client from the filter.
 pub fn send_reply(status: u16, headers: &[(String, String)], body: &[u8]) -> Result<(), u32> {
     let headers = HeaderMap::serialize(headers);
     result(unsafe {
         proxy_send_local_response(
             u32::from(status),
-            std::ptr::null(),
-            0,
+            REPLY_DETAILS.as_ptr(),
+            REPLY_DETAILS.len(),
             body.as_ptr(),
             body.len(),
             headers.as_ptr(),

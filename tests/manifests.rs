@@ -1053,6 +1053,22 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             error(format!("path_with_escaped_slashes_action is {escaped}"));
         }
 
+        // Envoy's own answers as OpenAI errors, the filter's (code details pd_filter) as the
+        // filter wrote them: first mapper passes them on, the default body is an error object.
+        let local_reply = &hcm["local_reply_config"];
+        let first = &local_reply["mappers"][0];
+        let passes_filters_own = first["filter"]["extension_filter"]["typed_config"]["expression"]
+            == "response.code_details == 'pd_filter'"
+            && first["body_format_override"]["text_format_source"]["inline_string"]
+                == "%LOCAL_REPLY_BODY%";
+        if !passes_filters_own {
+            error("local_reply_config does not pass the filter's answers on first".to_owned());
+        }
+        let envoys = &local_reply["body_format"]["json_format"]["error"];
+        if envoys["message"].is_null() || envoys["code"] != "%RESPONSE_CODE%" {
+            error("local_reply_config does not answer an OpenAI error object".to_owned());
+        }
+
         // Slow clients, with the filter's prefill budget inside the request timeout.
         let filters = wasm_filters(hcm);
         let prefill_timeout_s = filters
@@ -1581,11 +1597,6 @@ struct Reply {
 /// Sends one HTTP/1.1 POST with the request target exactly as given (no client-side
 /// normalization) and reads the whole answer.
 fn raw_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> Reply {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    stream
-        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
-        .expect("timeout");
     let mut request = format!(
         "POST {target} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\
          content-type: application/json\r\ncontent-length: {}\r\n",
@@ -1596,7 +1607,17 @@ fn raw_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> Re
     }
     request.push_str("\r\n");
     request.push_str(body);
-    stream.write_all(request.as_bytes()).expect("send");
+    raw_exchange(port, request.as_bytes())
+}
+
+/// Sends `request` as it is and reads the whole answer.
+fn raw_exchange(port: u16, request: &[u8]) -> Reply {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("timeout");
+    stream.write_all(request).expect("send");
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw).expect("read answer");
     let raw = String::from_utf8_lossy(&raw).into_owned();
@@ -1625,6 +1646,25 @@ fn raw_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> Re
         rest.to_owned()
     };
     Reply { status, body }
+}
+
+/// The `error` object of an OpenAI-style error answer with `status` and a message, or what
+/// is wrong with the answer.
+fn openai_error(reply: &Reply, status: u16) -> Result<Value, String> {
+    if reply.status != status {
+        return Err(format!(
+            "status {} (want {status}): {:?}",
+            reply.status, reply.body
+        ));
+    }
+    let body: Value = serde_json::from_str(&reply.body)
+        .map_err(|e| format!("not JSON ({e}): {:?}", reply.body))?;
+    let error = &body["error"];
+    let message = error["message"].as_str().unwrap_or_default();
+    if message.is_empty() || message.starts_with('{') || error["code"] != status {
+        return Err(format!("not an OpenAI error of its own: {body}"));
+    }
+    Ok(error.clone())
 }
 
 /// A tokio runtime that serves the mock vLLM servers while the test thread blocks on sockets.
@@ -1703,6 +1743,9 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
                     reply.status
                 ));
             }
+            if let Err(what) = openai_error(&reply, 400) {
+                failures.push(format!("{target}: {what}"));
+            }
             continue;
         }
         let orchestrated = reply.status == 200
@@ -1752,6 +1795,36 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
                 ));
             }
         }
+    }
+
+    // Envoy's own refusals come as OpenAI errors; the filter's errors as the filter wrote
+    // them, not wrapped again.
+    let envoys_own: [(&[u8], u16); 3] = [
+        (
+            b"POST /v1/completions HTTP/1.0\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
+            426,
+        ),
+        (
+            b"post /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
+            400,
+        ),
+        (
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\
+              transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+            400,
+        ),
+    ];
+    for (request, status) in envoys_own {
+        let reply = raw_exchange(envoy.port, request);
+        if let Err(what) = openai_error(&reply, status) {
+            let line = String::from_utf8_lossy(request);
+            failures.push(format!("{:?}: {what}", line.lines().next()));
+        }
+    }
+    let reply = raw_post(envoy.port, "/v1/completions", &[], r#"{"prompt":"#);
+    match openai_error(&reply, 400) {
+        Ok(error) if error["type"] == "BadRequestError" && error["message"].is_string() => {}
+        other => failures.push(format!("the filter's own 400: {other:?}: {}", reply.body)),
     }
 
     // The stats as shipped: labelled on /stats/prometheus.
