@@ -48,6 +48,7 @@ pub enum PrefillFailurePolicy {
 struct RawConfig {
     model_prefill_clusters: BTreeMap<String, String>,
     model_header: Option<String>,
+    hold_request_headers: bool,
     prefill_host_header: String,
     prefill_host_cluster: Option<String>,
     prefill_hosts_allowed: Vec<String>,
@@ -95,6 +96,7 @@ impl Default for RawConfig {
             prefill_time_header: None,
             model_prefill_clusters: BTreeMap::new(),
             model_header: None,
+            hold_request_headers: false,
             prefill_host_header: "x-prefiller-host-port".to_owned(),
             prefill_host_cluster: None,
             prefill_hosts_allowed: Vec::new(),
@@ -168,6 +170,11 @@ pub struct Config {
     /// Request header the filter sets to the body's `model` before Envoy picks the route.
     /// Needs `allow_on_headers_stop_iteration: true` on the wasm filter.
     pub model_header: Option<String>,
+    /// Hold an orchestrated request's headers as well as its body until prefill has answered,
+    /// so that Envoy opens no decode stream for a request still uploading or in prefill.
+    /// Needs `allow_on_headers_stop_iteration: true` on the wasm filter (a `model_header`
+    /// holds them in any case).
+    pub hold_request_headers: bool,
     /// Request header carrying the prefill host(s) a scheduler chose.
     pub prefill_host_header: String,
     /// ORIGINAL_DST cluster used to reach a scheduler-chosen host; the feature is off without it.
@@ -338,6 +345,7 @@ impl Config {
         Ok(Config {
             model_prefill_clusters: raw.model_prefill_clusters,
             model_header,
+            hold_request_headers: raw.hold_request_headers,
             prefill_host_header,
             prefill_host_cluster: raw.prefill_host_cluster,
             prefill_hosts_allowed,
@@ -397,6 +405,7 @@ enum Shape {
 const SHAPES: &[(&str, Shape)] = &[
     ("model_prefill_clusters", Shape::TextMap),
     ("model_header", Shape::OptionalText),
+    ("hold_request_headers", Shape::Flag),
     ("prefill_host_header", Shape::Text),
     ("prefill_host_cluster", Shape::OptionalText),
     ("prefill_hosts_allowed", Shape::TextList),

@@ -429,10 +429,12 @@ impl Session {
             prefill_headers,
             scheduled_hosts,
         });
-        // With a model header, hold the headers until the model is known, so that Envoy
-        // picks the route with it. Needs `allow_on_headers_stop_iteration: true`, or Envoy
-        // holds the body too.
-        let flow = if config.model_header.is_some() {
+        // Hold the headers until prefill has answered (or, with a model header, until the
+        // model is known, so that Envoy picks the route with it): Envoy's router would
+        // otherwise open decode's stream at once and hold it, and a connection of decode's
+        // pool, while the body uploads and prefill works. Needs
+        // `allow_on_headers_stop_iteration: true`, or Envoy holds the body too.
+        let flow = if config.model_header.is_some() || config.hold_request_headers {
             Flow::Pause
         } else {
             Flow::Continue

@@ -1154,6 +1154,23 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             }
         }
 
+        // Orchestrated requests' headers held until prefill has answered (no decode stream
+        // for a request still uploading or in prefill), which needs Envoy to let the filter
+        // stop at the headers without holding the body from it.
+        for (wasm, plugin) in &filters {
+            let holds =
+                plugin["hold_request_headers"] == true || plugin["model_header"].is_string();
+            if plugin["hold_request_headers"] != true {
+                error("the filter does not hold request headers (hold_request_headers)".to_owned());
+            }
+            if holds && wasm["allow_on_headers_stop_iteration"] != true {
+                error(
+                    "headers held without allow_on_headers_stop_iteration: every request would hang"
+                        .to_owned(),
+                );
+            }
+        }
+
         // The body buffer holds the largest body the filter accepts.
         let buffer = listener["per_connection_buffer_limit_bytes"]
             .as_u64()
@@ -1322,6 +1339,24 @@ fn weakened_envoy_configs_are_caught() {
                     .retain(|m| {
                         m["name"] != "envoy.resource_monitors.global_downstream_max_connections"
                     });
+            },
+        ),
+        (
+            "headers passed to decode during prefill",
+            "hold_request_headers",
+            |c| {
+                let wasm = &mut first_hcm(c)["http_filters"][0]["typed_config"]["config"];
+                wasm["configuration"]["value"] = json!(r#"{"prefill_cluster":"prefill"}"#);
+            },
+        ),
+        (
+            "headers held where Envoy holds the body too",
+            "every request would hang",
+            |c| {
+                let wasm = &mut first_hcm(c)["http_filters"][0]["typed_config"]["config"];
+                wasm.as_object_mut()
+                    .unwrap()
+                    .remove("allow_on_headers_stop_iteration");
             },
         ),
         ("no heap limit", "fixed_heap", |c| {

@@ -978,3 +978,55 @@ async fn decode_gets_application_json_whatever_json_type_the_client_named() {
     }
     run_cases_then_still_serves(cases, "default").await;
 }
+
+/// Envoy's count of `cluster`'s decode streams now open.
+fn decode_streams_open(cluster: &str) -> u64 {
+    let name = format!("cluster.{cluster}.upstream_rq_active");
+    common::envoy_stats(&name)
+        .into_iter()
+        .find(|(stat, _)| *stat == name)
+        .map_or(0, |(_, value)| value)
+}
+
+/// Clients that send the headers and part of a body, then nothing: with the headers held
+/// (as shipped) they take no decode stream, so they cannot fill decode's pool or its
+/// circuit breaker; passed at once (as under Istio) each holds one while it waits.
+#[tokio::test]
+async fn uploads_that_never_finish_take_no_decode_stream_when_headers_are_held() {
+    use tokio::io::AsyncWriteExt;
+    const CLIENTS: u64 = 20;
+    for (listener, cluster, held) in [
+        ("held", "decode_held", true),
+        ("passed", "decode_passed", false),
+    ] {
+        let mut stalled = Vec::new();
+        for _ in 0..CLIENTS {
+            let mut stream =
+                tokio::net::TcpStream::connect(("127.0.0.1", harness().port(listener)))
+                    .await
+                    .expect("connect");
+            let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\n\
+                        content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\":";
+            stream.write_all(head.as_bytes()).await.expect("send");
+            stalled.push(stream);
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut open = decode_streams_open(cluster);
+        while !held && open < CLIENTS && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            open = decode_streams_open(cluster);
+        }
+        if held {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            open = decode_streams_open(cluster);
+            assert_eq!(
+                open, 0,
+                "{listener}: decode streams opened for unfinished uploads"
+            );
+        } else {
+            assert_eq!(open, CLIENTS, "{listener}: the contrast the test relies on");
+        }
+        assert_still_serves(listener).await;
+        drop(stalled);
+    }
+}

@@ -108,6 +108,22 @@ fn prefill_ok() -> String {
 const CHAT: &str = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"min_tokens":5,"stream":true}"#;
 
 #[test]
+fn held_headers_wait_for_prefill_where_the_host_allows_it() {
+    let mut held = session(r#"{"hold_request_headers":true}"#);
+    let step = held.on_request_headers(&post("/v1/chat/completions"), false);
+    assert_eq!(step.flow, Flow::Pause);
+    // Requests that are not orchestrated are never held.
+    let mut other = session(r#"{"hold_request_headers":true}"#);
+    let step = other.on_request_headers(&headers("GET", "/v1/models", &[]), true);
+    assert_eq!(step.flow, Flow::Continue);
+    let mut held = session(r#"{"hold_request_headers":true}"#);
+    send(&mut held, &post("/v1/chat/completions"), CHAT);
+    held.on_prefill_dispatched(Some(1), at(0));
+    let commands = held.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert_eq!(commands.last(), Some(&Command::ResumeRequest));
+}
+
+#[test]
 fn an_orchestrated_request_goes_through_prefill_then_decode() {
     let mut session = session(r#"{"prefill_time_header":"x-pd-prefill-ms"}"#);
     let step = session.on_request_headers(&post("/v1/chat/completions"), false);

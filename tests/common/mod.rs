@@ -36,6 +36,9 @@ pub enum DecodeRoute {
     /// To a port that never completes a connection: Envoy gives up after its connect
     /// timeout (1 s), long after prefill answered.
     Blackholed,
+    /// To the mock decode through a cluster of the listener's own, whose stats count only
+    /// that listener's decode streams.
+    Counted(&'static str),
 }
 
 pub struct Listener {
@@ -63,8 +66,22 @@ const fn plain(name: &'static str, plugin_config: &'static str) -> Listener {
 
 /// The listeners of the test Envoy, each running the filter with its own configuration.
 pub const LISTENERS: &[Listener] = &[
-    // An empty configuration: every default.
-    plain("default", ""),
+    // As envoy/envoy.yaml ships: headers held until prefill has answered.
+    Listener {
+        allow_on_headers_stop_iteration: true,
+        ..plain("default", r#"{"hold_request_headers":true}"#)
+    },
+    // Each with decode streams of its own to count: headers held, and passed at once (an
+    // empty configuration, every default, as under Istio).
+    Listener {
+        allow_on_headers_stop_iteration: true,
+        decode_route: DecodeRoute::Counted("decode_held"),
+        ..plain("held", r#"{"hold_request_headers":true}"#)
+    },
+    Listener {
+        decode_route: DecodeRoute::Counted("decode_passed"),
+        ..plain("passed", "")
+    },
     plain(
         "strict",
         r#"{"on_missing_kv_transfer_params":"fail","prefill_timeout_ms":1500,"max_request_body_bytes":65536,"prefill_time_header":"x-pd-prefill-ms"}"#,
@@ -579,6 +596,8 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         cluster_yaml("decode_b", "127.0.0.1", ports.decode_b),
         cluster_yaml("prefill_unreachable", "127.0.0.1", ports.closed),
         cluster_yaml("decode_blackhole", "127.0.0.1", ports.blackhole),
+        cluster_yaml("decode_held", "127.0.0.1", ports.decode),
+        cluster_yaml("decode_passed", "127.0.0.1", ports.decode),
         original_dst_cluster_yaml("prefill_original_dst", "x-envoy-original-dst-host"),
         original_dst_cluster_yaml("decode_picker", "x-gateway-destination-endpoint"),
     ]
@@ -629,8 +648,15 @@ fn original_dst_cluster_yaml(name: &str, header: &str) -> String {
     )
 }
 
-fn routes_yaml(route: DecodeRoute) -> &'static str {
-    match route {
+fn routes_yaml(route: DecodeRoute) -> String {
+    let routes = match route {
+        DecodeRoute::Counted(cluster) => {
+            return format!(
+                r#"              - match: {{ prefix: "/" }}
+                route: {{ cluster: {cluster}, timeout: 0s }}
+"#
+            )
+        }
         // The prefill time the filter leaves in the filter state, as an access log would
         // read it (tests/one_vllm.rs).
         DecodeRoute::Plain => {
@@ -668,7 +694,8 @@ fn routes_yaml(route: DecodeRoute) -> &'static str {
                 route: { cluster: decode, timeout: 0s }
 "#
         }
-    }
+    };
+    routes.to_owned()
 }
 
 fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
