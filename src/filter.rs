@@ -536,6 +536,12 @@ impl RootContext for PdRoot {
     }
 }
 
+/// Whether the stream ever had a connection to decode: Envoy names the upstream host as soon
+/// as it picks one, but the connection's local address only once it has a connection.
+fn decode_was_connected() -> bool {
+    host::property(&["upstream", "local_address"]).is_ok_and(|address| !address.is_empty())
+}
+
 struct PdRequest {
     request: Rc<Request>,
     worker: Rc<Worker>,
@@ -554,8 +560,19 @@ impl Context for PdRequest {
     }
 
     fn on_done(&mut self) -> bool {
+        let awaits_decode = self.request.session.borrow().awaits_decode_answer();
+        let release = if awaits_decode && !decode_was_connected() {
+            self.request
+                .session
+                .borrow_mut()
+                .on_decode_never_connected()
+        } else {
+            Vec::new()
+        };
         self.request.alive.set(false);
         self.request.session.borrow_mut().on_client_gone();
+        self.worker
+            .act_on(&self.request, release, In::Request, &Clock::default());
         true
     }
 }

@@ -1048,6 +1048,40 @@ impl Session {
         };
     }
 
+    /// Whether the request went on to decode and decode has not answered: when the client
+    /// leaves now, [`Session::on_decode_never_connected`] says whether decode can have it.
+    pub fn awaits_decode_answer(&self) -> bool {
+        matches!(
+            self.state,
+            State::Decoding {
+                unread_kv: Some(_),
+                ..
+            }
+        )
+    }
+
+    /// The client left before Envoy had a connection to decode for the request: decode never
+    /// got it, and the KV prefill made for it is
+    /// released. A stream that had a connection may have delivered the request, whose
+    /// cancellation vLLM's own abort path reports to prefill.
+    pub fn on_decode_never_connected(&mut self) -> Vec<Command> {
+        let Some(config) = self.config.clone() else {
+            return Vec::new();
+        };
+        let unread = match &mut self.state {
+            State::Decoding { unread_kv, .. } => unread_kv.take(),
+            _ => None,
+        };
+        let Some(unread) = unread else {
+            return Vec::new();
+        };
+        log::debug!(
+            "[{}] the client left before decode was connected; releasing the KV",
+            self.request_id
+        );
+        self.release(&config, unread).into_iter().collect()
+    }
+
     /// The call that frees prefill's KV for a request decode will not run, if so configured.
     fn release(&self, config: &Config, unread: UnreadKv) -> Option<Command> {
         if !config.release_kv_on_abandon {

@@ -158,6 +158,30 @@ async fn decode_that_times_out_after_prefill_answered_strands_no_kv() {
 }
 
 #[tokio::test]
+async fn a_client_that_leaves_while_decode_is_being_connected_strands_no_kv() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let id = unique_id("leaves-before-decode");
+    // Prefill answers at once; decode's connection never completes (Envoy would give up
+    // after a second), and the client leaves before that.
+    let left = post("decode_blackholed", &id, "gone before decode connects")
+        .leave_after(Duration::from_millis(400))
+        .await;
+    assert!(!left, "answered within 400 ms");
+    assert_eq!(h.prefill_requests(&id).len(), 1);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while releases(&id).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(releases(&id).len(), 1);
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+    assert_filter_healthy();
+}
+
+#[tokio::test]
 async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
     let _serial = SERIAL.lock().await;
     let h = harness();

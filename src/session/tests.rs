@@ -453,6 +453,23 @@ fn kv_is_released_only_when_decode_never_took_the_request() {
 }
 
 #[test]
+fn kv_is_released_when_the_client_leaves_before_decode_was_connected() {
+    let mut s = prefilling("");
+    assert!(!s.awaits_decode_answer(), "prefill still working");
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert!(s.awaits_decode_answer());
+    released(&s.on_decode_never_connected());
+    assert!(!s.awaits_decode_answer(), "released once");
+    assert!(s.on_decode_never_connected().is_empty());
+
+    // Decode answered: it has the KV.
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    s.on_response_headers(&upstream(200));
+    assert!(!s.awaits_decode_answer());
+}
+
+#[test]
 fn kv_is_released_when_decode_refuses_a_request_prefill_served() {
     // Prefill served one capped token; decode checks the client's own limits and says 400.
     let mut s = prefilling_body("", r#"{"prompt":"x","max_tokens":1,"min_tokens":5}"#);
