@@ -373,11 +373,13 @@ fn one_token_splice(api: Api, object: &JsonObject, kv: Edit) -> Splice {
         "stream" => Edit::Replace(b"false"),
         // A background response answers at once, before prefill has run.
         "background" if api == Api::Responses => Edit::Replace(b"false"),
+        // A stored prefill answer (one token) would never be read, and never freed.
+        "store" if api == Api::Responses => Edit::Replace(b"false"),
         KV_TRANSFER_PARAMS => kv,
         "min_tokens" | "min_completion_tokens" | "stream_options" => Edit::Remove,
         _ => Edit::Keep,
     };
-    let mut append: Vec<(&'static str, Edit)> = Vec::with_capacity(4);
+    let mut append: Vec<(&'static str, Edit)> = Vec::with_capacity(5);
     // Messages requires max_tokens: without it prefill refuses the request, as decode would.
     let appends_max_tokens = !matches!(api, Api::Messages | Api::Generate);
     if appends_max_tokens && !object.has("max_tokens") {
@@ -385,6 +387,10 @@ fn one_token_splice(api: Api, object: &JsonObject, kv: Edit) -> Splice {
     }
     if api == Api::Responses && !object.has("max_output_tokens") {
         append.push(("max_output_tokens", Edit::Replace(ONE)));
+    }
+    // vLLM's `store` defaults to true.
+    if api == Api::Responses && !object.has("store") {
+        append.push(("store", Edit::Replace(b"false")));
     }
     if !object.has("stream") {
         append.push(("stream", Edit::Replace(b"false")));
@@ -468,6 +474,29 @@ mod tests {
         assert_eq!(present["background"], false);
         let not_responses = prefill_json(Api::Completions, r#"{"prompt":"hi"}"#);
         assert!(not_responses.get("max_output_tokens").is_none());
+    }
+
+    #[test]
+    fn responses_prefill_is_never_stored() {
+        // vLLM stores a response unless told not to (store defaults to true): prefill's
+        // one-token answer must not be kept, nor its id taken for the client's response.
+        for body in [
+            r#"{"input":"hi"}"#,
+            r#"{"input":"hi","store":true}"#,
+            r#"{"input":"hi","store":true,"store":null}"#,
+        ] {
+            let prefill = prefill_json(Api::Responses, body);
+            assert_eq!(prefill["store"], false, "{body}");
+        }
+        // Decode stores the client's answer as the client asked.
+        let body = br#"{"input":"hi","store":true}"#;
+        let prepared = prepare(Api::Responses, body).unwrap();
+        let decode: Value =
+            serde_json::from_slice(&prepared.decode.body_with_kv(body, b"{}")).unwrap();
+        assert_eq!(decode["store"], true);
+        // No other API has the field.
+        let chat = prefill_json(Api::ChatCompletions, r#"{"messages":[]}"#);
+        assert!(chat.get("store").is_none(), "{chat}");
     }
 
     #[test]
