@@ -162,6 +162,13 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
              are computed on prefill; ask for them without stream",
         ));
     }
+    if api == Api::Completions && echoes_prompt_logprobs(&object) {
+        return Err(ClientError::bad_request(
+            "echo with logprobs cannot be served through prefill/decode disaggregation: the \
+             echoed prompt's logprobs are computed on prefill, and decode's answer would lack \
+             them; ask for prompt_logprobs (not streamed) instead",
+        ));
+    }
     if api == Api::Generate && asks_nested_prompt_logprobs(&object) {
         return Err(ClientError::bad_request(
             "sampling_params.prompt_logprobs cannot be served through prefill/decode \
@@ -323,6 +330,14 @@ fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
         &[("max_tokens", Edit::Replace(ONE))]
     };
     params.splice(edit, append).write(params.text(), b"")
+}
+
+/// Whether a completions request asks for prompt logprobs through `echo`: vLLM then takes
+/// `logprobs` as `prompt_logprobs` (unless those are given) and writes the echoed prompt's
+/// logprobs into each choice's `logprobs`, which decode on prefill's KV cannot compute.
+fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
+    let set = |key: &str| object.last_value(key).is_some_and(|value| value != b"null");
+    object.last_value("echo") == Some(b"true") && set("logprobs")
 }
 
 /// Whether a tokens-in request asks for prompt logprobs (in its `sampling_params`).
@@ -761,6 +776,32 @@ mod tests {
                 .decode
                 .prompt_logprobs_from_prefill
         );
+    }
+
+    #[test]
+    fn completions_echo_with_logprobs_is_refused() {
+        // vLLM reads echo with logprobs as a request for prompt logprobs, even when the
+        // filter removes prompt_logprobs: decode on prefill's KV would fail it.
+        for body in [
+            r#"{"prompt":"a b","echo":true,"logprobs":0}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":2,"prompt_logprobs":1}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"stream":true}"#,
+        ] {
+            let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
+            assert_eq!(error.status, 400, "{body}");
+            assert!(error.message.contains("echo"), "{}", error.message);
+        }
+        for body in [
+            r#"{"prompt":"a b","echo":true}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":null}"#,
+            r#"{"prompt":"a b","echo":false,"logprobs":3}"#,
+            r#"{"prompt":"a b","logprobs":3}"#,
+        ] {
+            assert!(prepare(Api::Completions, body.as_bytes()).is_ok(), "{body}");
+        }
+        // Chat's echo repeats the last message's text, not its logprobs.
+        let chat = r#"{"messages":[],"echo":true,"logprobs":true}"#;
+        assert!(prepare(Api::ChatCompletions, chat.as_bytes()).is_ok());
     }
 
     #[test]
