@@ -124,9 +124,22 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         model: model_or_default(obj),
         prompt,
         kv: obj.get("kv_transfer_params").cloned(),
-        prompt_logprobs: obj.get("prompt_logprobs").and_then(Value::as_u64),
+        prompt_logprobs: prompt_logprobs(endpoint, obj),
         request_id: None,
     })
+}
+
+/// The prompt logprobs a request asks for: its `prompt_logprobs`, or, on completions with
+/// `echo`, its `logprobs` (vLLM's `CompletionRequest.to_sampling_params` does the same).
+fn prompt_logprobs(endpoint: Endpoint, obj: &Map<String, Value>) -> Option<u64> {
+    let asked = obj.get("prompt_logprobs").and_then(Value::as_u64);
+    let echo = obj.get("echo") == Some(&Value::Bool(true));
+    match endpoint {
+        Endpoint::Completions if asked.is_none() && echo => {
+            obj.get("logprobs").and_then(Value::as_u64)
+        }
+        _ => asked,
+    }
 }
 
 /// `stream`, and `stream_options.include_usage` (options only allowed on a stream).
@@ -728,6 +741,25 @@ mod tests {
                 }
             })
             .collect()
+    }
+
+    #[test]
+    fn completions_echo_with_logprobs_asks_for_prompt_logprobs() {
+        let asked = |body: Value| parse_ok(Endpoint::Completions, body).prompt_logprobs;
+        assert_eq!(
+            asked(json!({"prompt": "a", "echo": true, "logprobs": 2})),
+            Some(2)
+        );
+        assert_eq!(
+            asked(json!({"prompt": "a", "echo": true, "logprobs": 2, "prompt_logprobs": 0})),
+            Some(0)
+        );
+        assert_eq!(asked(json!({"prompt": "a", "echo": true})), None);
+        assert_eq!(asked(json!({"prompt": "a", "logprobs": 2})), None);
+        assert_eq!(
+            asked(json!({"prompt": "a", "echo": false, "logprobs": 2})),
+            None
+        );
     }
 
     #[test]
