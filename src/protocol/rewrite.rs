@@ -162,6 +162,32 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
              are computed on prefill; ask for them without stream",
         ));
     }
+    let echo_top_logprobs = object.last_value("top_logprobs") != Some(b"null");
+    if api == Api::ChatCompletions
+        && object.last_value("echo") == Some(b"true")
+        && echo_top_logprobs
+    {
+        // vLLM takes chat's echo as a request for prompt logprobs (top_logprobs, 0 unless
+        // given), which decode on prefill's KV cannot compute.
+        return Err(ClientError::bad_request(
+            "echo cannot be served through prefill/decode disaggregation on chat completions: \
+             vLLM computes prompt logprobs for it, which only prefill can; send the request \
+             without echo",
+        ));
+    }
+    if api == Api::Responses
+        && object
+            .last_value("previous_response_id")
+            .is_some_and(|value| value != b"null")
+    {
+        // Each vLLM server keeps stored responses in its own memory: prefill has none of
+        // decode's, and would answer 404.
+        return Err(ClientError::bad_request(
+            "previous_response_id cannot be served through prefill/decode disaggregation: \
+             each vLLM server keeps its stored responses in its own memory, and prefill has \
+             none of them; send the conversation's input instead",
+        ));
+    }
     if api == Api::Completions && echoes_prompt_logprobs(&object) {
         return Err(ClientError::bad_request(
             "echo with logprobs cannot be served through prefill/decode disaggregation: the \
@@ -779,6 +805,56 @@ mod tests {
     }
 
     #[test]
+    fn chat_echo_and_a_stored_previous_response_are_refused() {
+        for (api, body, refused) in [
+            (Api::ChatCompletions, r#"{"messages":[],"echo":true}"#, true),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"echo":false}"#,
+                false,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"echo":true,"echo":false}"#,
+                false,
+            ),
+            // vLLM asks for prompt logprobs at top_logprobs, which null turns off.
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"echo":true,"top_logprobs":null}"#,
+                false,
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"x","previous_response_id":"resp_1"}"#,
+                true,
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"x","previous_response_id":null}"#,
+                false,
+            ),
+            // Not these APIs' fields: nothing to refuse.
+            (
+                Api::Completions,
+                r#"{"prompt":"x","previous_response_id":"r"}"#,
+                false,
+            ),
+        ] {
+            let result = prepare(api, body.as_bytes());
+            assert_eq!(result.is_err(), refused, "{body}");
+            if let Err(error) = result {
+                assert_eq!(error.status, 400);
+                assert!(
+                    error.message.contains("disaggregation"),
+                    "{}",
+                    error.message
+                );
+            }
+        }
+    }
+
+    #[test]
     fn completions_echo_with_logprobs_is_refused() {
         // vLLM reads echo with logprobs as a request for prompt logprobs, even when the
         // filter removes prompt_logprobs: decode on prefill's KV would fail it.
@@ -799,9 +875,6 @@ mod tests {
         ] {
             assert!(prepare(Api::Completions, body.as_bytes()).is_ok(), "{body}");
         }
-        // Chat's echo repeats the last message's text, not its logprobs.
-        let chat = r#"{"messages":[],"echo":true,"logprobs":true}"#;
-        assert!(prepare(Api::ChatCompletions, chat.as_bytes()).is_ok());
     }
 
     #[test]
