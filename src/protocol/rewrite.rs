@@ -422,7 +422,8 @@ fn one_token_splice(api: Api, object: &JsonObject, kv: Edit) -> Splice {
     };
     let mut append: Vec<(&'static str, Edit)> = Vec::with_capacity(5);
     // Messages requires max_tokens: without it prefill refuses the request, as decode would.
-    let appends_max_tokens = !matches!(api, Api::Messages | Api::Generate);
+    // Responses has no max_tokens (vLLM would log it as an ignored field on every request).
+    let appends_max_tokens = !matches!(api, Api::Messages | Api::Generate | Api::Responses);
     if appends_max_tokens && !object.has("max_tokens") {
         append.push(("max_tokens", Edit::Replace(ONE)));
     }
@@ -513,6 +514,12 @@ mod tests {
         );
         assert_eq!(present["max_output_tokens"], 1);
         assert_eq!(present["background"], false);
+        let unasked = prefill_json(Api::Responses, r#"{"input":"hi"}"#);
+        assert_eq!(unasked["max_output_tokens"], 1);
+        assert!(
+            unasked.get("max_tokens").is_none(),
+            "not a Responses field: {unasked}"
+        );
         let not_responses = prefill_json(Api::Completions, r#"{"prompt":"hi"}"#);
         assert!(not_responses.get("max_output_tokens").is_none());
     }
