@@ -1,7 +1,8 @@
 //! What each leg must receive for a client body, checked against what the mocks recorded.
 //!
-//! Prefill gets the client's body with every limit capped to 1 (`max_tokens` always, and
-//! `max_output_tokens` on /v1/responses, added when absent), `stream` false, no `min_tokens`,
+//! Prefill gets the client's body with every limit capped to 1 (`max_tokens` added when
+//! absent but on /v1/responses, which has none, where `max_output_tokens` is; `store` and
+//! `background` false there), `stream` false, no `min_tokens`,
 //! `min_completion_tokens` or `stream_options`, and `kv_transfer_params` asking for a remote
 //! decode, each edited member once however often the client repeated it; every other member
 //! byte for byte, in order. Decode gets the client's bytes with exactly one
@@ -124,8 +125,14 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
     let prefill_text = utf8("the prefill body", &prefill.body)?;
     let sent = members(client_text)?;
     let got = members(prefill_text)?;
-    let edited =
-        |key: &str| CAPPED.contains(&key) || REMOVED.contains(&key) || key == "stream" || key == KV;
+    let responses = path == "/v1/responses";
+    let edited = |key: &str| {
+        CAPPED.contains(&key)
+            || REMOVED.contains(&key)
+            || key == "stream"
+            || key == KV
+            || (responses && (key == "store" || key == "background"))
+    };
     let kept = |members: &[(String, &RawValue)]| -> Vec<(String, String)> {
         members
             .iter()
@@ -146,12 +153,15 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
             .collect()
     };
     let always = |key: &str| {
-        key == "max_tokens"
+        (key == "max_tokens" && !responses)
             || key == "stream"
             || key == KV
-            || (key == "max_output_tokens" && path == "/v1/responses")
+            || (responses && (key == "max_output_tokens" || key == "store"))
     };
-    let required = [("stream", json!(false)), (KV, remote_decode_request())];
+    let mut required = vec![("stream", json!(false)), (KV, remote_decode_request())];
+    if responses {
+        required.extend([("store", json!(false)), ("background", json!(false))]);
+    }
     let rules = CAPPED
         .iter()
         .map(|key| (*key, json!(1)))
