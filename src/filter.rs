@@ -1,7 +1,8 @@
 //! The adapter to the proxy-wasm host: it turns host callbacks into [`Session`] events and
 //! the session's commands into host calls, and decides nothing itself. Host calls go through
 //! [`host`], where a refusal is a value, apart from sending a call (the SDK's, which must see
-//! its token); a reset callout's headers come as an empty list.
+//! its token) and the SDK's logger (which panics only if Envoy refuses a log line); a reset
+//! callout's headers come as an empty list.
 //!
 //! Callouts belong to the worker's root context, not to the request: the SDK delivers an
 //! answer only to the context that sent the call, and a request's context is gone once its
@@ -538,8 +539,17 @@ impl RootContext for PdRoot {
 
 /// Whether the stream ever had a connection to decode: Envoy names the upstream host as soon
 /// as it picks one, but the connection's local address only once it has a connection.
+/// Only the host's "no such value" says there was none: any other refusal is taken as
+/// connected, so that no release goes out for a request decode may have.
 fn decode_was_connected() -> bool {
-    host::property(&["upstream", "local_address"]).is_ok_and(|address| !address.is_empty())
+    match host::property(&["upstream", "local_address"]) {
+        Ok(address) => !address.is_empty(),
+        Err(host::NOT_FOUND) => false,
+        Err(status) => {
+            log::debug!("upstream.local_address: status {status}");
+            true
+        }
+    }
 }
 
 struct PdRequest {
@@ -616,12 +626,18 @@ impl HttpContext for PdRequest {
             .then(|| host::property(&["response", "code_details"]).ok())
             .flatten()
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned());
+        // An answer Envoy made itself (a timeout in decode's pool, say) may come before any
+        // connection to decode: then decode never had the request.
+        let envoys_own = details
+            .as_deref()
+            .is_some_and(|details| details != "via_upstream");
         let head = ResponseHead {
             status,
             content_type: headers.text("content-type"),
             has_request_id: headers.value("x-request-id").is_some(),
             has_content_length: headers.value("content-length").is_some(),
             code_details: details.as_deref(),
+            decode_connected: envoys_own.then(decode_was_connected),
         };
         let commands = self.request.session.borrow_mut().on_response_headers(&head);
         self.worker
@@ -656,7 +672,11 @@ impl PdRequest {
         match step {
             BodyStep::Step(step) => self.run_with(step, &clock),
             BodyStep::ReadBody => {
-                let body = host::buffer(BufferType::HttpRequestBody, 0, usize::MAX);
+                // No body at all (trailers right after the headers) is an empty one.
+                let body = match host::buffer(BufferType::HttpRequestBody, 0, usize::MAX) {
+                    Err(host::NOT_FOUND) => Ok(Vec::new()),
+                    body => body,
+                };
                 let step = match body {
                     Ok(body) => self
                         .request

@@ -120,6 +120,10 @@ fn result(status: u32) -> Result<(), u32> {
     }
 }
 
+/// The ABI's `NotFound` status: no such value (a property the stream does not have, an
+/// empty buffer).
+pub const NOT_FOUND: u32 = 1;
+
 /// The ABI's `Empty` status: a queue with nothing in it.
 const EMPTY: u32 = 7;
 

@@ -224,6 +224,8 @@ pub struct ResponseHead<'a> {
     /// Envoy's `response.code_details` (`via_upstream` for decode's own answer), when asked
     /// for ([`Session::wants_response_details`]).
     pub code_details: Option<&'a str>,
+    /// For an answer Envoy made itself: whether the stream ever had a connection to decode.
+    pub decode_connected: Option<bool>,
 }
 
 /// KV that prefill made and decode has not read yet.
@@ -919,18 +921,21 @@ impl Session {
         // Decode has the request from here on, or never will.
         let unread = unread_kv.take();
         if let Some(unread) = unread {
-            if head.code_details.is_some_and(decode_never_read) {
-                log::debug!(
-                    "[{}] decode was never reached ({}); releasing the KV",
-                    self.request_id,
-                    head.code_details.unwrap_or_default()
-                );
-                commands.extend(self.release(&config, unread));
+            let never_reached = head.code_details.is_some_and(decode_never_read)
+                || head.decode_connected == Some(false);
+            let reason = if never_reached {
+                Some("decode was never reached")
             } else if decode_refused(head.status, head.code_details) {
+                Some("decode refused the request")
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
                 log::debug!(
-                    "[{}] decode refused the request ({:?}); releasing the KV",
+                    "[{}] {reason} ({:?}, {}); releasing the KV",
                     self.request_id,
-                    head.status
+                    head.status,
+                    head.code_details.unwrap_or_default()
                 );
                 commands.extend(self.release(&config, unread));
             }

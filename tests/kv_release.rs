@@ -38,6 +38,14 @@ async fn wait_until_nothing_is_stranded(within: Duration) -> Result<(), u64> {
     }
 }
 
+/// Waits until decode got a release for `id`, or the time is up.
+async fn wait_for_a_release(id: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    while releases(id).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The KV releases of `id`: one token, not streamed, on prefill's KV.
 fn releases(id: &str) -> Vec<Value> {
     let releases: Vec<Value> = harness()
@@ -139,10 +147,7 @@ async fn decode_that_times_out_after_prefill_answered_strands_no_kv() {
     // Prefill answers at once; Envoy gives up on decode's connection a second later.
     assert_eq!(reply.status, 503, "{}", reply.body);
     assert_eq!(h.prefill_requests(&id).len(), 1);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while releases(&id).is_empty() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_a_release(&id, Duration::from_secs(5)).await;
     // The filter no longer holds the client's body: the release is one token of prompt on
     // the same KV.
     let released = h.kv_releases(&id);
@@ -169,10 +174,7 @@ async fn a_client_that_leaves_while_decode_is_being_connected_strands_no_kv() {
         .await;
     assert!(!left, "answered within 400 ms");
     assert_eq!(h.prefill_requests(&id).len(), 1);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while releases(&id).is_empty() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_a_release(&id, Duration::from_secs(5)).await;
     assert_eq!(releases(&id).len(), 1);
     assert_eq!(
         wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
@@ -203,10 +205,7 @@ async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
         reply.body
     );
     assert_eq!(h.prefill_requests(&id).len(), 1);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while releases(&id).is_empty() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_a_release(&id, Duration::from_secs(5)).await;
     assert_eq!(releases(&id).len(), 1);
     assert_eq!(
         wait_until_nothing_is_stranded(Duration::from_secs(5)).await,

@@ -311,6 +311,7 @@ fn upstream(status: u16) -> ResponseHead<'static> {
         has_request_id: true,
         has_content_length: true,
         code_details: Some("via_upstream"),
+        decode_connected: None,
     }
 }
 
@@ -321,6 +322,7 @@ fn unreached(details: &'static str) -> ResponseHead<'static> {
         has_request_id: true,
         has_content_length: true,
         code_details: Some(details),
+        decode_connected: None,
     }
 }
 
@@ -467,6 +469,23 @@ fn kv_is_released_when_the_client_leaves_before_decode_was_connected() {
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     s.on_response_headers(&upstream(200));
     assert!(!s.awaits_decode_answer());
+}
+
+#[test]
+fn an_answer_envoy_made_before_any_decode_connection_releases_the_kv() {
+    // A 408 while the request waited in decode's pool: no detail names an unreached decode,
+    // but the stream never had a connection.
+    for (connected, releases) in [(Some(false), true), (Some(true), false)] {
+        let mut s = prefilling("");
+        s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+        let timeout = ResponseHead {
+            status: Some(408),
+            code_details: Some("request_overall_timeout"),
+            decode_connected: connected,
+            ..upstream(408)
+        };
+        assert_eq!(has_release(&s.on_response_headers(&timeout)), releases);
+    }
 }
 
 #[test]
