@@ -133,6 +133,12 @@ impl<'a> JsonObject<'a> {
             .and_then(|m| self.text.get(m.value.clone()))
     }
 
+    /// Whether the last member named `key` is there with a value other than `null`: what a
+    /// pydantic model reads as set.
+    pub fn is_set(&self, key: &str) -> bool {
+        self.last_value(key).is_some_and(|value| value != b"null")
+    }
+
     /// Byte offset of the opening brace.
     pub fn open_brace(&self) -> usize {
         self.open_brace

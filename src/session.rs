@@ -345,7 +345,14 @@ impl Session {
                 self.state = State::StrippingKv;
                 commands.push(Command::RemoveRequestHeader("content-length".to_owned()));
                 commands.push(Command::Record(Metric::PassedThrough));
-                return Step::new(Flow::Continue, commands);
+                // Its body is held whole anyway: with the headers held too, an upload that
+                // never ends takes no decode stream. The body's end continues both.
+                let flow = if config.hold_request_headers {
+                    Flow::Pause
+                } else {
+                    Flow::Continue
+                };
+                return Step::new(flow, commands);
             }
             PathVerdict::Refuse(error) => {
                 self.take_request_id(headers, &mut commands);

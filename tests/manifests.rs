@@ -1258,6 +1258,19 @@ fn every_envoy_config_keeps_the_hardening() {
         for error in hardening_errors(&documents[0]) {
             failures.push(format!("{}: {error}", relative.display()));
         }
+        // Envoy's own answers are written the same way everywhere: as envoy.yaml does.
+        let reference = yaml_file("envoy/envoy.yaml").remove(0);
+        for (_, hcm) in http_connection_managers(&documents[0]) {
+            let reference_hcm = http_connection_managers(&reference)
+                .first()
+                .map(|(_, hcm)| hcm["local_reply_config"].clone());
+            if reference_hcm.as_ref() != Some(&hcm["local_reply_config"]) {
+                failures.push(format!(
+                    "{}: local_reply_config differs from envoy/envoy.yaml's",
+                    relative.display()
+                ));
+            }
+        }
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }

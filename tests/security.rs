@@ -988,8 +988,8 @@ fn decode_streams_open(cluster: &str) -> u64 {
         .map_or(0, |(_, value)| value)
 }
 
-/// Clients that send the headers and part of a body, then nothing: with the headers held
-/// (as shipped) they take no decode stream, so they cannot fill decode's pool or its
+/// Clients that send the headers and part of a body, then nothing, on orchestrated and
+/// stripped paths: with the headers held (as shipped) they take no decode stream, so they cannot fill decode's pool or its
 /// circuit breaker; passed at once (as under Istio) each holds one while it waits.
 #[tokio::test]
 async fn uploads_that_never_finish_take_no_decode_stream_when_headers_are_held() {
@@ -1000,13 +1000,21 @@ async fn uploads_that_never_finish_take_no_decode_stream_when_headers_are_held()
         ("passed", "decode_passed", false),
     ] {
         let mut stalled = Vec::new();
-        for _ in 0..CLIENTS {
+        for n in 0..CLIENTS {
+            // Orchestrated and stripped paths alike (a stripped path's body is held whole).
+            let path = if n % 2 == 0 {
+                "/v1/completions"
+            } else {
+                "/v1/messages"
+            };
             let mut stream =
                 tokio::net::TcpStream::connect(("127.0.0.1", harness().port(listener)))
                     .await
                     .expect("connect");
-            let head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\n\
-                        content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\":";
+            let head = format!(
+                "POST {path} HTTP/1.1\r\nhost: x\r\n\
+                 content-type: application/json\r\ncontent-length: 100\r\n\r\n{{\"prompt\":"
+            );
             stream.write_all(head.as_bytes()).await.expect("send");
             stalled.push(stream);
         }

@@ -152,10 +152,8 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     };
     let object = parse_body(json_text(body, json_start))?;
     refuse_nested_kv_transfer_params(&object)?;
-    let asks_prompt_logprobs = matches!(api, Api::Completions | Api::ChatCompletions)
-        && object
-            .last_value("prompt_logprobs")
-            .is_some_and(|value| value != b"null");
+    let asks_prompt_logprobs =
+        matches!(api, Api::Completions | Api::ChatCompletions) && object.is_set("prompt_logprobs");
     if asks_prompt_logprobs && object.last_value("stream") == Some(b"true") {
         return Err(ClientError::bad_request(
             "prompt_logprobs cannot be streamed through prefill/decode disaggregation: they \
@@ -175,11 +173,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
              without echo",
         ));
     }
-    if api == Api::Responses
-        && object
-            .last_value("previous_response_id")
-            .is_some_and(|value| value != b"null")
-    {
+    if api == Api::Responses && object.is_set("previous_response_id") {
         // Each vLLM server keeps stored responses in its own memory: prefill has none of
         // decode's, and would answer 404.
         return Err(ClientError::bad_request(
@@ -226,9 +220,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
         json_start,
         prompt_logprobs_from_prefill: asks_prompt_logprobs,
         stream_usage_asked: !matches!(api, Api::Completions | Api::ChatCompletions)
-            || object
-                .last_value("stream_options")
-                .is_some_and(|value| value != b"null"),
+            || object.is_set("stream_options"),
         first_member,
         with_kv: object.splice(kv_edit(Edit::Slot), append_kv),
         without_kv: has_client_kv.then(|| object.splice(kv_edit(Edit::Remove), &[])),
@@ -362,8 +354,7 @@ fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
 /// `logprobs` as `prompt_logprobs` (unless those are given) and writes the echoed prompt's
 /// logprobs into each choice's `logprobs`, which decode on prefill's KV cannot compute.
 fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
-    let set = |key: &str| object.last_value(key).is_some_and(|value| value != b"null");
-    object.last_value("echo") == Some(b"true") && set("logprobs")
+    object.last_value("echo") == Some(b"true") && object.is_set("logprobs")
 }
 
 /// Whether a tokens-in request asks for prompt logprobs (in its `sampling_params`).
@@ -371,8 +362,7 @@ fn asks_nested_prompt_logprobs(object: &JsonObject) -> bool {
     object
         .last_value("sampling_params")
         .and_then(|params| JsonObject::parse(params).ok())
-        .and_then(|params| params.last_value("prompt_logprobs"))
-        .is_some_and(|value| value != b"null")
+        .is_some_and(|params| params.is_set("prompt_logprobs"))
 }
 
 /// The path of [`minimal_kv_release_body`]: every vLLM generation server serves it.

@@ -116,6 +116,19 @@ fn held_headers_wait_for_prefill_where_the_host_allows_it() {
     let mut other = session(r#"{"hold_request_headers":true}"#);
     let step = other.on_request_headers(&headers("GET", "/v1/models", &[]), true);
     assert_eq!(step.flow, Flow::Continue);
+    // A stripped path's body is held whole: its headers wait with it, and go on with it.
+    let mut stripped = session(r#"{"hold_request_headers":true}"#);
+    let step = stripped.on_request_headers(&post("/invocations"), false);
+    assert_eq!(step.flow, Flow::Pause);
+    let body = br#"{"prompt":"x","kv_transfer_params":{"a":1}}"#.to_vec();
+    assert_eq!(
+        stripped.on_request_body(body.len(), true),
+        BodyStep::ReadBody
+    );
+    assert_eq!(
+        stripped.on_request_complete(body, at(0)).flow,
+        Flow::Continue
+    );
     let mut held = session(r#"{"hold_request_headers":true}"#);
     send(&mut held, &post("/v1/chat/completions"), CHAT);
     held.on_prefill_dispatched(Some(1), at(0));

@@ -71,16 +71,23 @@ pub const LISTENERS: &[Listener] = &[
         allow_on_headers_stop_iteration: true,
         ..plain("default", r#"{"hold_request_headers":true}"#)
     },
-    // Each with decode streams of its own to count: headers held, and passed at once (an
-    // empty configuration, every default, as under Istio).
+    // Each with decode streams of its own to count: headers held, and passed at once (as
+    // under Istio). /v1/messages is a stripped path on both (the mock decode reads its body
+    // before answering, as for every API it serves).
     Listener {
         allow_on_headers_stop_iteration: true,
         decode_route: DecodeRoute::Counted("decode_held"),
-        ..plain("held", r#"{"hold_request_headers":true}"#)
+        ..plain(
+            "held",
+            r#"{"hold_request_headers":true,"paths":["/v1/completions","/v1/chat/completions","/v1/responses"]}"#,
+        )
     },
     Listener {
         decode_route: DecodeRoute::Counted("decode_passed"),
-        ..plain("passed", "")
+        ..plain(
+            "passed",
+            r#"{"paths":["/v1/completions","/v1/chat/completions","/v1/responses"]}"#,
+        )
     },
     plain(
         "strict",
