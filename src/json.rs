@@ -139,6 +139,21 @@ impl<'a> JsonObject<'a> {
         self.last_value(key).is_some_and(|value| value != b"null")
     }
 
+    /// Whether the last member named `key` reads as true the way a pydantic model reads a
+    /// bool in its default (lax) mode: `true`, the number 1, or a string such as "true",
+    /// "yes", "on", "1" in any case.
+    pub fn is_true(&self, key: &str) -> bool {
+        let Some(value) = self.last_value(key) else {
+            return false;
+        };
+        let text = match value {
+            [b'"', inner @ .., b'"'] => inner,
+            other => other,
+        };
+        const TRUE: [&[u8]; 7] = [b"true", b"1", b"1.0", b"yes", b"on", b"t", b"y"];
+        TRUE.iter().any(|word| text.eq_ignore_ascii_case(word))
+    }
+
     /// Byte offset of the opening brace.
     pub fn open_brace(&self) -> usize {
         self.open_brace

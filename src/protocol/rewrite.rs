@@ -154,17 +154,14 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     refuse_nested_kv_transfer_params(&object)?;
     let asks_prompt_logprobs =
         matches!(api, Api::Completions | Api::ChatCompletions) && object.is_set("prompt_logprobs");
-    if asks_prompt_logprobs && object.last_value("stream") == Some(b"true") {
+    if asks_prompt_logprobs && object.is_true("stream") {
         return Err(ClientError::bad_request(
             "prompt_logprobs cannot be streamed through prefill/decode disaggregation: they \
              are computed on prefill; ask for them without stream",
         ));
     }
     let echo_top_logprobs = object.last_value("top_logprobs") != Some(b"null");
-    if api == Api::ChatCompletions
-        && object.last_value("echo") == Some(b"true")
-        && echo_top_logprobs
-    {
+    if api == Api::ChatCompletions && object.is_true("echo") && echo_top_logprobs {
         // vLLM takes chat's echo as a request for prompt logprobs (top_logprobs, 0 unless
         // given), which decode on prefill's KV cannot compute.
         return Err(ClientError::bad_request(
@@ -354,7 +351,7 @@ fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
 /// `logprobs` as `prompt_logprobs` (unless those are given) and writes the echoed prompt's
 /// logprobs into each choice's `logprobs`, which decode on prefill's KV cannot compute.
 fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
-    object.last_value("echo") == Some(b"true") && object.is_set("logprobs")
+    object.is_true("echo") && object.is_set("logprobs")
 }
 
 /// Whether a tokens-in request asks for prompt logprobs (in its `sampling_params`).
@@ -799,6 +796,27 @@ mod tests {
                 .decode
                 .prompt_logprobs_from_prefill
         );
+    }
+
+    #[test]
+    fn flags_are_read_as_vllm_reads_them() {
+        // pydantic's lax bools: a client cannot slip a flag past the filter by its spelling.
+        for spelling in ["true", "1", "\"true\"", "\"Yes\"", "\"on\"", "\"1\""] {
+            let body = format!(r#"{{"prompt":"a","echo":{spelling},"logprobs":1}}"#);
+            assert!(
+                prepare(Api::Completions, body.as_bytes()).is_err(),
+                "{body}"
+            );
+            let body = format!(r#"{{"prompt":"a","prompt_logprobs":1,"stream":{spelling}}}"#);
+            assert!(
+                prepare(Api::Completions, body.as_bytes()).is_err(),
+                "{body}"
+            );
+        }
+        for spelling in ["false", "0", "null", "\"no\"", "\"off\"", "2", "\"\""] {
+            let body = format!(r#"{{"prompt":"a","echo":{spelling},"logprobs":1}}"#);
+            assert!(prepare(Api::Completions, body.as_bytes()).is_ok(), "{body}");
+        }
     }
 
     #[test]
