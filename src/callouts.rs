@@ -1,9 +1,11 @@
 //! The calls of one Envoy worker, host-free: a request hands its calls to the worker (they
 //! must outlive it: prefill's answer still comes after its client left, and a KV release is
 //! for a request already gone), the worker sends them on its next turn, and routes each
-//! answer back by its token. Releases in flight are bounded.
+//! answer back by its token. Releases in flight are bounded; a release that failed because
+//! decode could not be reached is sent again a few times, later.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, SystemTime};
 
 use crate::protocol::kv_release::ReleaseBudget;
 use crate::session::HttpCall;
@@ -17,13 +19,31 @@ pub enum Job<R> {
 /// Whose answer a token is.
 pub enum Caller<R> {
     Prefill(R),
-    Release,
+    /// A release, with what it takes to send it again.
+    Release(Option<Retry>),
 }
+
+/// A release to send again if decode could not be reached: small calls only (the minimal
+/// release body), so that waiting ones hold little memory.
+pub struct Retry {
+    call: HttpCall,
+    /// Attempts made so far.
+    attempts: u32,
+}
+
+/// Attempts a release gets in all; the waits before the second and third.
+pub const RELEASE_ATTEMPTS: u32 = 3;
+const RETRY_AFTER: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(4)];
+/// A release body larger than this is not kept to be sent again.
+const RETRY_MAX_BODY: usize = 4096;
 
 pub struct Callouts<R> {
     jobs: VecDeque<Job<R>>,
     calls: HashMap<u32, Caller<R>>,
     releases: ReleaseBudget,
+    /// Releases waiting to be sent again, each with when.
+    retries: VecDeque<(SystemTime, Retry)>,
+    max_retries_waiting: usize,
     wake_pending: bool,
 }
 
@@ -33,6 +53,8 @@ impl<R> Default for Callouts<R> {
             jobs: VecDeque::new(),
             calls: HashMap::new(),
             releases: ReleaseBudget::new(0),
+            retries: VecDeque::new(),
+            max_retries_waiting: 0,
             wake_pending: false,
         }
     }
@@ -41,6 +63,7 @@ impl<R> Default for Callouts<R> {
 impl<R> Callouts<R> {
     pub fn set_release_bound(&mut self, max_in_flight: u32) {
         self.releases = ReleaseBudget::new(max_in_flight);
+        self.max_retries_waiting = usize::try_from(max_in_flight).unwrap_or(usize::MAX);
     }
 
     /// Queues a call for the worker's turn; `true` when the worker must be woken for it.
@@ -73,11 +96,17 @@ impl<R> Callouts<R> {
         self.releases.try_start()
     }
 
-    /// The release whose slot was taken went out with `token`, or (`None`) could not.
-    pub fn release_sent(&mut self, token: Option<u32>) {
+    /// The release whose slot was taken went out with `token`, or (`None`) could not; it
+    /// was attempt number `attempts` (from 1) of `call`.
+    pub fn release_sent(&mut self, token: Option<u32>, call: &HttpCall, attempts: u32) {
         match token {
             Some(token) => {
-                self.calls.insert(token, Caller::Release);
+                let retry = (attempts < RELEASE_ATTEMPTS && call.body.len() <= RETRY_MAX_BODY)
+                    .then(|| Retry {
+                        call: call.clone(),
+                        attempts,
+                    });
+                self.calls.insert(token, Caller::Release(retry));
             }
             None => self.releases.finish(),
         }
@@ -86,10 +115,44 @@ impl<R> Callouts<R> {
     /// Whose answer `token` is; a release's slot is given back.
     pub fn answered(&mut self, token: u32) -> Option<Caller<R>> {
         let caller = self.calls.remove(&token);
-        if let Some(Caller::Release) = caller {
+        if let Some(Caller::Release(_)) = caller {
             self.releases.finish();
         }
         caller
+    }
+
+    /// Keeps a release that could not reach decode to send again later; `false` when too
+    /// many already wait (it is dropped).
+    pub fn retry_later(&mut self, retry: Retry, now: SystemTime) -> bool {
+        if self.retries.len() >= self.max_retries_waiting {
+            return false;
+        }
+        let index = usize::try_from(retry.attempts.saturating_sub(1)).unwrap_or(usize::MAX);
+        let wait = RETRY_AFTER
+            .get(index)
+            .copied()
+            .unwrap_or(Duration::from_secs(4));
+        self.retries.push_back((now + wait, retry));
+        true
+    }
+
+    /// The releases due to be sent again by `now`, each with its attempt number.
+    pub fn due_retries(&mut self, now: SystemTime) -> Vec<(HttpCall, u32)> {
+        let mut due = Vec::new();
+        let mut waiting = VecDeque::with_capacity(self.retries.len());
+        for (when, retry) in self.retries.drain(..) {
+            if when <= now {
+                due.push((retry.call, retry.attempts + 1));
+            } else {
+                waiting.push_back((when, retry));
+            }
+        }
+        self.retries = waiting;
+        due
+    }
+
+    pub fn retries_waiting(&self) -> bool {
+        !self.retries.is_empty()
     }
 }
 
@@ -141,14 +204,60 @@ mod tests {
         let mut callouts: Callouts<&str> = Callouts::default();
         callouts.set_release_bound(1);
         assert!(callouts.start_release());
-        callouts.release_sent(Some(3));
+        callouts.release_sent(Some(3), &call(), 1);
         assert!(!callouts.start_release(), "the bound is reached");
-        assert!(matches!(callouts.answered(3), Some(Caller::Release)));
+        assert!(matches!(callouts.answered(3), Some(Caller::Release(_))));
         assert!(callouts.start_release(), "the slot came back");
-        callouts.release_sent(None);
+        callouts.release_sent(None, &call(), 1);
         assert!(
             callouts.start_release(),
             "a release that never went out frees its slot"
         );
+    }
+
+    #[test]
+    fn a_release_is_sent_again_later_a_bounded_number_of_times() {
+        let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1000);
+        let at = |secs: u64| start + Duration::from_secs(secs);
+        let mut callouts: Callouts<&str> = Callouts::default();
+        callouts.set_release_bound(2);
+        let mut attempts = 1;
+        let mut now = start;
+        loop {
+            assert!(callouts.start_release());
+            callouts.release_sent(Some(9), &call(), attempts);
+            let Some(Caller::Release(retry)) = callouts.answered(9) else {
+                panic!("a release");
+            };
+            let Some(retry) = retry else {
+                break;
+            };
+            assert!(callouts.retry_later(retry, now));
+            assert!(callouts.due_retries(now).is_empty(), "not yet");
+            now += Duration::from_secs(5);
+            let due = callouts.due_retries(now);
+            assert_eq!(due.len(), 1);
+            attempts = due[0].1;
+            assert!(!callouts.retries_waiting());
+        }
+        assert_eq!(
+            attempts, RELEASE_ATTEMPTS,
+            "every attempt made, then no more"
+        );
+
+        // A large body is not kept; too many waiting are dropped.
+        let large = HttpCall {
+            body: vec![b'x'; 8192],
+            ..call()
+        };
+        callouts.release_sent(Some(1), &large, 1);
+        assert!(matches!(callouts.answered(1), Some(Caller::Release(None))));
+        for n in 0..3u32 {
+            callouts.release_sent(Some(n), &call(), 1);
+            let Some(Caller::Release(Some(retry))) = callouts.answered(n) else {
+                panic!("a retry");
+            };
+            assert_eq!(callouts.retry_later(retry, at(0)), n < 2, "bound 2");
+        }
     }
 }

@@ -22,7 +22,7 @@
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
 use std::rc::Rc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -30,10 +30,10 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
 use crate::headers::HeaderLookup;
 
-use crate::callouts::{Caller, Callouts, Job};
+use crate::callouts::{Caller, Callouts, Job, Retry};
 use crate::config::Config;
 use crate::host;
-use crate::protocol::kv_release::release_succeeded;
+use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
 use crate::session::{
     BodyStep, Command, Flow, HostFailure, HttpCall, Metric, ResponseHead, Session, Step,
@@ -51,6 +51,9 @@ struct PdRoot {
     config: Option<Rc<Config>>,
     worker: Rc<Worker>,
 }
+
+/// How often the root looks for KV releases due to be sent again, while any wait.
+const RETRY_TICK: Duration = Duration::from_millis(250);
 
 /// The queue id the root's `on_queue_ready` gets for a call sent at once
 /// ([`Worker::send_as_root`]); never one the host hands out.
@@ -71,6 +74,8 @@ struct Worker {
     sent_now: Cell<Option<u32>>,
     stats: OnceCell<Stats>,
     queue: Cell<Option<u32>>,
+    /// The root's tick is on (KV releases wait to be sent again).
+    ticking: Cell<bool>,
     callouts: RefCell<Callouts<Rc<Request>>>,
 }
 
@@ -140,6 +145,7 @@ impl Worker {
             sent_now: Cell::new(None),
             stats: OnceCell::new(),
             queue: Cell::new(None),
+            ticking: Cell::new(false),
             callouts: RefCell::new(Callouts::default()),
         }
     }
@@ -221,7 +227,7 @@ impl Worker {
             // Nothing to do for a client gone before its prefill went out.
             Job::Prefill(request, _) if !request.alive.get() => {}
             Job::Prefill(request, call) => self.dispatch_prefill(&request, &call, context, clock),
-            Job::Release(call) => self.dispatch_release(&call),
+            Job::Release(call) => self.dispatch_release(&call, 1),
         }
     }
 
@@ -261,15 +267,45 @@ impl Worker {
         self.act_on(request, commands, context, clock);
     }
 
-    fn dispatch_release(&self, call: &HttpCall) {
+    /// Sends attempt number `attempts` (from 1) of a release.
+    fn dispatch_release(&self, call: &HttpCall, attempts: u32) {
         if !self.callouts.borrow_mut().start_release() {
             self.record(Metric::KvReleaseDropped);
             return;
         }
         let token = self.dispatch(call);
-        self.callouts.borrow_mut().release_sent(token);
+        self.callouts
+            .borrow_mut()
+            .release_sent(token, call, attempts);
         if token.is_none() {
             self.record(Metric::KvReleaseFailed);
+        }
+    }
+
+    /// A release decode could not be reached for waits to be sent again: the root ticks
+    /// while any wait.
+    fn release_unreached(&self, retry: Retry) {
+        let now = host::now().unwrap_or(UNIX_EPOCH);
+        if !self.callouts.borrow_mut().retry_later(retry, now) {
+            self.record(Metric::KvReleaseDropped);
+            return;
+        }
+        if !self.ticking.replace(true) {
+            if let Err(status) = host::set_tick_period(RETRY_TICK) {
+                log::warn!("no tick for KV release retries: status {status}");
+            }
+        }
+    }
+
+    /// The root's tick: the releases due to be sent again.
+    fn on_tick(&self) {
+        let now = host::now().unwrap_or(UNIX_EPOCH);
+        let due = self.callouts.borrow_mut().due_retries(now);
+        for (call, attempts) in due {
+            self.dispatch_release(&call, attempts);
+        }
+        if !self.callouts.borrow().retries_waiting() && self.ticking.replace(false) {
+            let _ = host::set_tick_period(Duration::ZERO);
         }
     }
 
@@ -294,14 +330,15 @@ impl Worker {
                 );
                 self.act_on(&request, commands, context, &clock);
             }
-            Some(Caller::Release) => {
-                let released = release_succeeded(status);
+            Some(Caller::Release(retry)) => {
                 log::debug!("KV release answered {status:?}");
-                self.record(if released {
-                    Metric::KvReleased
+                if release_succeeded(status) {
+                    self.record(Metric::KvReleased);
+                } else if let (true, Some(retry)) = (decode_unreached(status), retry) {
+                    self.release_unreached(retry);
                 } else {
-                    Metric::KvReleaseFailed
-                });
+                    self.record(Metric::KvReleaseFailed);
+                }
             }
             None => {}
         }
@@ -354,7 +391,7 @@ impl Worker {
 
     fn release_call(&self, call: HttpCall, context: In, clock: &Clock) {
         match context {
-            In::Root => self.dispatch_release(&call),
+            In::Root => self.dispatch_release(&call, 1),
             In::Request => self.hand_over(Job::Release(call), clock),
         }
     }
@@ -519,6 +556,12 @@ impl RootContext for PdRoot {
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         self.worker.on_queue_ready(queue_id);
+    }
+
+    fn on_tick(&mut self) {
+        self.worker.in_root.set(true);
+        self.worker.on_tick();
+        self.worker.in_root.set(false);
     }
 
     fn get_type(&self) -> Option<ContextType> {

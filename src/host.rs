@@ -33,6 +33,7 @@ extern "C" {
     ) -> u32;
     fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
     fn proxy_get_log_level(return_level: *mut u32) -> u32;
+    fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
     fn proxy_set_effective_context(context_id: u32) -> u32;
     fn proxy_call_foreign_function(
         name: *const u8,
@@ -181,6 +182,12 @@ pub fn log_level() -> Result<u32, u32> {
     let mut level: u32 = 0;
     result(unsafe { proxy_get_log_level(&mut level) })?;
     Ok(level)
+}
+
+/// How often the root's `on_tick` runs; zero stops it.
+pub fn set_tick_period(period: Duration) -> Result<(), u32> {
+    let millis = u32::try_from(period.as_millis()).unwrap_or(u32::MAX);
+    result(unsafe { proxy_set_tick_period_milliseconds(millis) })
 }
 
 /// Makes a request's stream the one later calls act on.

@@ -184,6 +184,40 @@ async fn a_client_that_leaves_while_decode_is_being_connected_strands_no_kv() {
 }
 
 #[tokio::test]
+async fn a_release_decode_could_not_take_is_sent_again_once_decode_is_back() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let id = unique_id("release-retry");
+    let reply = post("release_retry", &id, "decode comes back later")
+        .send()
+        .await;
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_eq!(h.prefill_requests(&id).len(), 1);
+    // The first release found no decode. Decode comes back before the next attempt (1 s).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let address = format!("127.0.0.1:{}", h.late_decode_port);
+    let late = mock_vllm::MockServer::start(mock_vllm::Role::Decode, &address)
+        .await
+        .expect("decode on the late port");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while late.requests_with_id(&id).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let released = late.requests_with_id(&id);
+    assert_eq!(
+        released.len(),
+        1,
+        "one release reached the decode that came back"
+    );
+    assert!(released[0].header(common::KV_RELEASE_HEADER).is_some());
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+    assert_filter_healthy();
+}
+
+#[tokio::test]
 async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
     let _serial = SERIAL.lock().await;
     let h = harness();

@@ -30,6 +30,13 @@ pub fn decode_refused(status: Option<u16>, code_details: Option<&str>) -> bool {
         && code_details == Some("via_upstream")
 }
 
+/// Whether a release's answer says decode could not be reached at all, so that sending it
+/// again later may succeed: Envoy's own 503 (no connection, no healthy host, a full pool) or
+/// no answer (a reset). vLLM itself answers 503 only when it is not serving.
+pub fn decode_unreached(status: Option<u16>) -> bool {
+    matches!(status, None | Some(503))
+}
+
 /// Whether decode took the release (its answer is otherwise discarded).
 pub fn release_succeeded(status: Option<u16>) -> bool {
     status.is_some_and(|status| (200..300).contains(&status))
@@ -65,6 +72,15 @@ impl ReleaseBudget {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_an_unreached_decode_is_worth_another_release() {
+        assert!(decode_unreached(None));
+        assert!(decode_unreached(Some(503)));
+        for status in [200, 400, 404, 500, 502, 504] {
+            assert!(!decode_unreached(Some(status)), "{status}");
+        }
+    }
 
     #[test]
     fn a_4xx_decode_wrote_itself_left_the_kv_unread() {

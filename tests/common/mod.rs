@@ -137,6 +137,12 @@ pub const LISTENERS: &[Listener] = &[
         decode_route: DecodeRoute::Unreachable,
         ..plain("decode_unreachable", "")
     },
+    // Decode cannot be reached, nor at first the cluster releases go to (`decode_late`,
+    // where a test starts a decode later).
+    Listener {
+        decode_route: DecodeRoute::Unreachable,
+        ..plain("release_retry", r#"{"decode_cluster":"decode_late"}"#)
+    },
     // Decode's connection times out after prefill answered; releases go to `decode`.
     Listener {
         decode_route: DecodeRoute::Blackholed,
@@ -153,6 +159,9 @@ pub struct Harness {
     pub decode_b: MockServer,
     /// A local port nothing listens on.
     pub closed_port: u16,
+    /// The port of the `decode_late` cluster: nothing listens there until a test starts a
+    /// decode on it (tests/kv_release.rs).
+    pub late_decode_port: u16,
     listener_ports: Vec<(String, u16)>,
     pub admin_port: u16,
     pub envoy_log: PathBuf,
@@ -301,14 +310,15 @@ fn start() -> Harness {
             decode_b: mocks[3].port(),
             closed: closed_port(),
             blackhole: blackhole_port(),
+            late: closed_port(),
         };
         let envoy = start_envoy(&ports);
         sender
-            .send((mocks, ports.closed, envoy))
+            .send((mocks, (ports.closed, ports.late), envoy))
             .expect("harness receiver");
         runtime.block_on(std::future::pending::<()>());
     });
-    let (mocks, closed_port, (listener_ports, admin_port, envoy_log)) =
+    let (mocks, (closed_port, late_decode_port), (listener_ports, admin_port, envoy_log)) =
         receiver.recv().expect("harness did not start");
     let [prefill, decode, prefill_b, decode_b] = mocks;
     Harness {
@@ -317,6 +327,7 @@ fn start() -> Harness {
         prefill_b,
         decode_b,
         closed_port,
+        late_decode_port,
         listener_ports,
         admin_port,
         envoy_log,
@@ -337,6 +348,7 @@ struct Ports {
     decode_b: u16,
     closed: u16,
     blackhole: u16,
+    late: u16,
 }
 
 /// A local port whose accept queue is full and never drained: the kernel drops every new
@@ -604,6 +616,7 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         cluster_yaml("prefill_unreachable", "127.0.0.1", ports.closed),
         cluster_yaml("decode_blackhole", "127.0.0.1", ports.blackhole),
         cluster_yaml("decode_held", "127.0.0.1", ports.decode),
+        cluster_yaml("decode_late", "127.0.0.1", ports.late),
         cluster_yaml("decode_passed", "127.0.0.1", ports.decode),
         original_dst_cluster_yaml("prefill_original_dst", "x-envoy-original-dst-host"),
         original_dst_cluster_yaml("decode_picker", "x-gateway-destination-endpoint"),
