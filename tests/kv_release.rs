@@ -46,6 +46,18 @@ async fn wait_for_a_release(id: &str, within: Duration) {
     }
 }
 
+/// `id` had one prefill and one release, and prefill holds nothing stranded.
+async fn assert_released_once(id: &str) {
+    assert_eq!(harness().prefill_requests(id).len(), 1);
+    wait_for_a_release(id, Duration::from_secs(5)).await;
+    assert_eq!(releases(id).len(), 1);
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+    assert_filter_healthy();
+}
+
 /// The KV releases of `id`: one token, not streamed, on prefill's KV.
 fn releases(id: &str) -> Vec<Value> {
     let releases: Vec<Value> = harness()
@@ -165,7 +177,6 @@ async fn decode_that_times_out_after_prefill_answered_strands_no_kv() {
 #[tokio::test]
 async fn a_client_that_leaves_while_decode_is_being_connected_strands_no_kv() {
     let _serial = SERIAL.lock().await;
-    let h = harness();
     let id = unique_id("leaves-before-decode");
     // Prefill answers at once; decode's connection never completes (Envoy would give up
     // after a second), and the client leaves before that.
@@ -173,14 +184,7 @@ async fn a_client_that_leaves_while_decode_is_being_connected_strands_no_kv() {
         .leave_after(Duration::from_millis(400))
         .await;
     assert!(!left, "answered within 400 ms");
-    assert_eq!(h.prefill_requests(&id).len(), 1);
-    wait_for_a_release(&id, Duration::from_secs(5)).await;
-    assert_eq!(releases(&id).len(), 1);
-    assert_eq!(
-        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
-        Ok(())
-    );
-    assert_filter_healthy();
+    assert_released_once(&id).await;
 }
 
 #[tokio::test]
@@ -220,7 +224,6 @@ async fn a_release_decode_could_not_take_is_sent_again_once_decode_is_back() {
 #[tokio::test]
 async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
     let _serial = SERIAL.lock().await;
-    let h = harness();
     let id = unique_id("decode-refuses");
     // Prefill gets one capped token without min_tokens and serves it; decode gets the
     // client's own limits and refuses them, as vLLM's API server does, before any KV is read.
@@ -238,14 +241,7 @@ async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
         "decode's own error: {}",
         reply.body
     );
-    assert_eq!(h.prefill_requests(&id).len(), 1);
-    wait_for_a_release(&id, Duration::from_secs(5)).await;
-    assert_eq!(releases(&id).len(), 1);
-    assert_eq!(
-        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
-        Ok(())
-    );
-    assert_filter_healthy();
+    assert_released_once(&id).await;
 }
 
 #[tokio::test]
