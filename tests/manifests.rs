@@ -1849,8 +1849,8 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
     // them, not wrapped again.
     let envoys_own: [(&[u8], u16); 3] = [
         (
-            b"POST /v1/completions HTTP/1.0\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
-            426,
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: two\r\n\r\n{}",
+            400,
         ),
         (
             b"post /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
@@ -1868,6 +1868,28 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
             let line = String::from_utf8_lossy(request);
             failures.push(format!("{:?}: {what}", line.lines().next()));
         }
+    }
+    // An HTTP/1.0 client (no Host header, the connection closed after the answer) is served
+    // through prefill like any other.
+    let id = "http-1-0";
+    let request = format!(
+        "POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n\
+         x-request-id: {id}\r\ncontent-length: {}\r\n\r\n{COMPLETION_BODY}",
+        COMPLETION_BODY.len()
+    );
+    let reply = raw_exchange(envoy.port, request.as_bytes());
+    let (prefills, decodes) = (prefill.requests_with_id(id), decode.requests_with_id(id));
+    let orchestrated = prefills.len() == 1
+        && decodes.len() == 1
+        && decodes[0].json()["kv_transfer_params"].is_object();
+    if reply.status != 200 || !orchestrated {
+        failures.push(format!(
+            "HTTP/1.0: {} {:?}, {} prefill and {} decode requests",
+            reply.status,
+            reply.body,
+            prefills.len(),
+            decodes.len()
+        ));
     }
     let reply = raw_post(envoy.port, "/v1/completions", &[], r#"{"prompt":"#);
     match openai_error(&reply, 400) {
