@@ -679,6 +679,9 @@ impl HttpContext for PdRequest {
             content_type: headers.text("content-type"),
             has_request_id: headers.value("x-request-id").is_some(),
             has_content_length: headers.value("content-length").is_some(),
+            content_length: headers
+                .text("content-length")
+                .and_then(|length| length.trim().parse().ok()),
             code_details: details.as_deref(),
             decode_connected: envoys_own.then(decode_was_connected),
         };

@@ -208,8 +208,9 @@ enum State {
 enum AnswerRewrite {
     /// Not at all.
     Untouched,
-    /// A JSON answer, held whole and written again with merged usage.
-    Whole,
+    /// A JSON answer, held whole and written again with merged usage; its length, when
+    /// decode announced it, tells when it is whole before Envoy says the stream ended.
+    Whole { length: Option<usize> },
     /// Server-sent events, passed on as they come but for the usage event.
     Events(EventStream),
 }
@@ -221,6 +222,8 @@ pub struct ResponseHead<'a> {
     pub content_type: Option<&'a str>,
     pub has_request_id: bool,
     pub has_content_length: bool,
+    /// Its value, when it is a number.
+    pub content_length: Option<usize>,
     /// Envoy's `response.code_details` (`via_upstream` for decode's own answer), when asked
     /// for ([`Session::wants_response_details`]).
     pub code_details: Option<&'a str>,
@@ -915,7 +918,9 @@ impl Session {
             } else {
                 essence
                     .eq_ignore_ascii_case("application/json")
-                    .then_some(AnswerRewrite::Whole)
+                    .then_some(AnswerRewrite::Whole {
+                        length: head.content_length,
+                    })
             };
             if let Some(rewrite) = rewrite {
                 *answer = rewrite;
@@ -962,12 +967,16 @@ impl Session {
                 }
                 AnswerRewrite::Events(_) => BodyStep::ReadBody,
                 // Larger than any answer worth holding: it goes on as it is.
-                AnswerRewrite::Whole if size > limit => {
+                AnswerRewrite::Whole { .. } if size > limit => {
                     *answer = AnswerRewrite::Untouched;
                     BodyStep::Step(Step::new(Flow::Continue, vec![]))
                 }
-                AnswerRewrite::Whole if end_of_stream => BodyStep::ReadBody,
-                AnswerRewrite::Whole => BodyStep::Step(Step::new(Flow::Pause, vec![])),
+                // Envoy gives decode's body, then the stream's end in a call of its own: an
+                // answer of the length announced is whole already, and is not held for it.
+                AnswerRewrite::Whole { length } if end_of_stream || *length == Some(size) => {
+                    BodyStep::ReadBody
+                }
+                AnswerRewrite::Whole { .. } => BodyStep::Step(Step::new(Flow::Pause, vec![])),
             },
             _ => BodyStep::Step(Step::new(Flow::Continue, vec![])),
         }
@@ -987,7 +996,9 @@ impl Session {
         };
         let rewritten = match answer {
             AnswerRewrite::Untouched => None,
-            AnswerRewrite::Whole => {
+            AnswerRewrite::Whole { .. } => {
+                // Read once, whole: what comes after (the stream's end) goes on as it is.
+                *answer = AnswerRewrite::Untouched;
                 let merged = prompt_usage.and_then(|(api, prompt)| merge_answer(api, body, prompt));
                 let current = merged.as_deref().unwrap_or(body);
                 prompt_logprobs
@@ -1004,6 +1015,9 @@ impl Session {
         // answer would make Envoy answer on its own from inside this callback. Such an answer
         // goes on as decode wrote it.
         let limit = self.config_limit().unwrap_or_default();
+        // Often nothing changed (vLLM by default reports no cached_tokens on either leg, and
+        // both count the same prompt): the answer is not written back.
+        let rewritten = rewritten.filter(|rewritten| rewritten.as_slice() != body);
         let rewritten = rewritten.filter(|rewritten| {
             let fits = rewritten.len() <= limit;
             if !fits {

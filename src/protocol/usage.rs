@@ -88,15 +88,21 @@ fn merged_usage(api: Api, usage: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> 
     let details;
     match fields.cached {
         Cached::InDetails(name) => {
-            let cached = cached.as_deref().unwrap_or("0");
-            details = match object.last_value(name) {
-                Some(details) if details.starts_with(b"{") => {
-                    let details_object = JsonObject::parse(details).ok()?;
-                    with_values(&details_object, &[("cached_tokens", cached.as_bytes())])
-                }
-                _ => format!("{{\"cached_tokens\":{cached}}}").into_bytes(),
-            };
-            values.push((name, &details));
+            let decodes = object
+                .last_value(name)
+                .filter(|details| details.starts_with(b"{"));
+            // Neither leg reports details (vLLM's default): the answer has none either.
+            if decodes.is_some() || cached.is_some() {
+                let cached = cached.as_deref().unwrap_or("0");
+                details = match decodes {
+                    Some(details) => {
+                        let details_object = JsonObject::parse(details).ok()?;
+                        with_values(&details_object, &[("cached_tokens", cached.as_bytes())])
+                    }
+                    None => format!("{{\"cached_tokens\":{cached}}}").into_bytes(),
+                };
+                values.push((name, &details));
+            }
         }
         Cached::Member(name) => {
             if let Some(cached) = &cached {

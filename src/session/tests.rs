@@ -323,6 +323,7 @@ fn upstream(status: u16) -> ResponseHead<'static> {
         content_type: Some("application/json"),
         has_request_id: true,
         has_content_length: true,
+        content_length: None,
         code_details: Some("via_upstream"),
         decode_connected: None,
     }
@@ -334,6 +335,7 @@ fn unreached(details: &'static str) -> ResponseHead<'static> {
         content_type: Some("text/plain"),
         has_request_id: true,
         has_content_length: true,
+        content_length: None,
         code_details: Some(details),
         decode_connected: None,
     }
@@ -880,6 +882,48 @@ fn reads_stream(config: &str, path: &str, body: &str) -> bool {
 }
 
 #[test]
+fn an_answer_of_the_announced_length_is_merged_without_waiting_for_the_streams_end() {
+    let answer = br#"{"id":"d","choices":[{"text":"abc"}],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":3}}}"#;
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_with_usage(1).as_bytes(), at(5));
+    s.on_response_headers(&ResponseHead {
+        content_length: Some(answer.len()),
+        ..upstream(200)
+    });
+    assert_eq!(
+        s.on_response_body(answer.len() - 1, false),
+        BodyStep::Step(Step::new(Flow::Pause, vec![])),
+        "not whole yet"
+    );
+    assert_eq!(s.on_response_body(answer.len(), false), BodyStep::ReadBody);
+    let step = s.on_response_body_read(answer, false);
+    assert!(matches!(
+        step.commands.as_slice(),
+        [Command::ReplaceResponseBody { .. }]
+    ));
+    assert_eq!(step.flow, Flow::Continue);
+    // The stream's end, in a call of its own, goes on as it is.
+    assert_eq!(
+        s.on_response_body(0, true),
+        BodyStep::Step(Step::new(Flow::Continue, vec![]))
+    );
+}
+
+#[test]
+fn an_answer_the_merge_leaves_as_it_was_is_not_written_back() {
+    // Neither leg reports cached_tokens (vLLM's default) and both count the same prompt.
+    let prefill = format!(
+        r#"{{"id":"p","kv_transfer_params":{KV},"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}}}"#
+    );
+    let answer = br#"{"id":"d","choices":[{"text":"abc"}],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12}}"#;
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill.as_bytes(), at(5));
+    s.on_response_headers(&upstream(200));
+    assert_eq!(s.on_response_body(answer.len(), true), BodyStep::ReadBody);
+    assert!(s.on_response_body_read(answer, true).commands.is_empty());
+}
+
+#[test]
 fn a_stream_is_read_for_usage_only_where_decode_sends_usage() {
     let completions = "/v1/completions";
     // vLLM sends usage in a completions or chat stream only when stream_options are there
@@ -961,6 +1005,7 @@ fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
     chunked.on_prefill_answer(1, Some(200), prefill_with_usage(0).as_bytes(), at(5));
     let without_length = ResponseHead {
         has_content_length: false,
+        content_length: None,
         ..head
     };
     assert!(!chunked
