@@ -21,8 +21,8 @@ use crate::protocol::scheduling::{
 };
 use crate::protocol::usage::{merge_answer, prompt_usage, EventStream, PromptUsage};
 use crate::protocol::{
-    check_content_type, prepare, read_prefill_answer, ClientError, DecodePlan, FailureKind,
-    PrefillAnswer, PrefillFailure,
+    check_content_type, is_vllm_json, media_type, prepare, read_prefill_answer, ClientError,
+    DecodePlan, FailureKind, PrefillAnswer, PrefillFailure,
 };
 use crate::request_id::new_request_id;
 use serde_json::Value;
@@ -291,17 +291,6 @@ impl Prefill {
             timeout,
         }
     }
-}
-
-/// Whether vLLM takes this content-type as JSON: its media type, lowercased, is exactly
-/// `application/json` (vLLM's `validate_json_request`).
-fn is_vllm_json(content_type: Option<&str>) -> bool {
-    content_type.is_some_and(|value| {
-        value
-            .split(';')
-            .next()
-            .is_some_and(|media_type| media_type.eq_ignore_ascii_case("application/json"))
-    })
 }
 
 impl Session {
@@ -907,11 +896,7 @@ impl Session {
             });
         }
         if (prompt_usage.is_some() || prompt_logprobs.is_some()) && head.status == Some(200) {
-            let essence = head
-                .content_type
-                .and_then(|value| value.split(';').next())
-                .map(str::trim)
-                .unwrap_or_default();
+            let essence = head.content_type.map(media_type).unwrap_or_default().trim();
             let rewrite = if essence.eq_ignore_ascii_case("text/event-stream") {
                 (prompt_usage.is_some() && *stream_usage)
                     .then(|| AnswerRewrite::Events(EventStream::default()))
@@ -1087,9 +1072,9 @@ impl Session {
     }
 
     /// The client left before Envoy had a connection to decode for the request: decode never
-    /// got it, and the KV prefill made for it is
-    /// released. A stream that had a connection may have delivered the request, whose
-    /// cancellation vLLM's own abort path reports to prefill.
+    /// got it, and the KV prefill made for it is released. A stream that had a connection may
+    /// have delivered the request, whose cancellation vLLM's own abort path reports to
+    /// prefill.
     pub fn on_decode_never_connected(&mut self) -> Vec<Command> {
         let Some(config) = self.config.clone() else {
             return Vec::new();

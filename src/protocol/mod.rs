@@ -14,4 +14,7 @@ pub mod usage;
 
 pub use errors::ClientError;
 pub use prefill_answer::{read_prefill_answer, FailureKind, PrefillAnswer, PrefillFailure};
-pub use rewrite::{check_content_type, prepare, DecodePlan, PreparedRequest, KV_TRANSFER_PARAMS};
+pub use rewrite::{
+    check_content_type, is_vllm_json, media_type, prepare, DecodePlan, PreparedRequest,
+    KV_TRANSFER_PARAMS,
+};

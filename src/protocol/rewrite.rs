@@ -18,11 +18,22 @@ pub const REMOTE_DECODE_REQUEST: &[u8] = br#"{"do_remote_decode":true,"do_remote
 const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 
 /// Checks the request's content-type: JSON, or absent (curl without `-H`).
+/// A content-type's media type, as written: what comes before any `;` parameters.
+pub fn media_type(content_type: &str) -> &str {
+    content_type.split(';').next().unwrap_or(content_type)
+}
+
+/// Whether vLLM takes this content-type as JSON: its media type, lowercased, is exactly
+/// `application/json` (vLLM's `validate_json_request`, which does not trim it).
+pub fn is_vllm_json(content_type: Option<&str>) -> bool {
+    content_type.is_some_and(|value| media_type(value).eq_ignore_ascii_case("application/json"))
+}
+
 pub fn check_content_type(content_type: Option<&str>) -> Result<(), ClientError> {
     let Some(value) = content_type else {
         return Ok(());
     };
-    let essence = value.split(';').next().unwrap_or("").trim();
+    let essence = media_type(value).trim();
     let is_json = essence.eq_ignore_ascii_case("application/json")
         || (essence.len() > 5
             && essence
