@@ -41,9 +41,9 @@ pub struct Callouts<R> {
     jobs: VecDeque<Job<R>>,
     calls: HashMap<u32, Caller<R>>,
     releases: ReleaseBudget,
-    /// Releases waiting to be sent again, each with when.
+    /// Releases waiting to be sent again, each with when; as many at most as may be in
+    /// flight.
     retries: VecDeque<(SystemTime, Retry)>,
-    max_retries_waiting: usize,
     wake_pending: bool,
 }
 
@@ -54,7 +54,6 @@ impl<R> Default for Callouts<R> {
             calls: HashMap::new(),
             releases: ReleaseBudget::new(0),
             retries: VecDeque::new(),
-            max_retries_waiting: 0,
             wake_pending: false,
         }
     }
@@ -63,7 +62,6 @@ impl<R> Default for Callouts<R> {
 impl<R> Callouts<R> {
     pub fn set_release_bound(&mut self, max_in_flight: u32) {
         self.releases = ReleaseBudget::new(max_in_flight);
-        self.max_retries_waiting = usize::try_from(max_in_flight).unwrap_or(usize::MAX);
     }
 
     /// Queues a call for the worker's turn; `true` when the worker must be woken for it.
@@ -124,7 +122,8 @@ impl<R> Callouts<R> {
     /// Keeps a release that could not reach decode to send again later; `false` when too
     /// many already wait (it is dropped).
     pub fn retry_later(&mut self, retry: Retry, now: SystemTime) -> bool {
-        if self.retries.len() >= self.max_retries_waiting {
+        let bound = usize::try_from(self.releases.max()).unwrap_or(usize::MAX);
+        if self.retries.len() >= bound {
             return false;
         }
         let index = usize::try_from(retry.attempts.saturating_sub(1)).unwrap_or(usize::MAX);

@@ -67,6 +67,11 @@ impl ReleaseBudget {
     pub fn finish(&mut self) {
         self.in_flight = self.in_flight.saturating_sub(1);
     }
+
+    /// The bound.
+    pub fn max(&self) -> u32 {
+        self.max
+    }
 }
 
 #[cfg(test)]
