@@ -28,10 +28,9 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
-use crate::headers::HeaderLookup;
-
 use crate::callouts::{Caller, Callouts, Job, Retry};
 use crate::config::Config;
+use crate::headers::HeaderLookup;
 use crate::host;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
@@ -674,13 +673,14 @@ impl HttpContext for PdRequest {
         let envoys_own = details
             .as_deref()
             .is_some_and(|details| details != "via_upstream");
+        let content_length = headers.value("content-length");
         let head = ResponseHead {
             status,
             content_type: headers.text("content-type"),
             has_request_id: headers.value("x-request-id").is_some(),
-            has_content_length: headers.value("content-length").is_some(),
-            content_length: headers
-                .text("content-length")
+            has_content_length: content_length.is_some(),
+            content_length: content_length
+                .and_then(|length| std::str::from_utf8(length).ok())
                 .and_then(|length| length.trim().parse().ok()),
             code_details: details.as_deref(),
             decode_connected: envoys_own.then(decode_was_connected),
