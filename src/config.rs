@@ -697,6 +697,15 @@ mod tests {
                 "cluster for \"m\" is empty",
             ),
             (r#"{"model_header":""}"#, "model_header"),
+            // What a careless operator writes for the flags that change what reaches decode.
+            (
+                r#"{"hold_request_headers":"yes"}"#,
+                "hold_request_headers must be true or false",
+            ),
+            (
+                r#"{"decode_forces_include_usage":1}"#,
+                "decode_forces_include_usage must be true or false",
+            ),
             (r#"{"prefill_retries":-1}"#, "prefill_retries must be a whole number, 0 or more"),
             (r#"{"prefill_retries":11}"#, "at most 10"),
             (r#"{"on_prefill_failure":"retry"}"#, "one of fail, decode_only"),
