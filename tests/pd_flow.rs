@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{assert_served, harness, remote_decode_request, unique_id, Request};
+use common::{assert_refused, assert_served, harness, remote_decode_request, unique_id, Request};
 use serde_json::{json, Value};
 
 const COMPLETIONS: &str = "/v1/completions";
@@ -102,6 +102,53 @@ async fn min_tokens_never_reaches_prefill_but_reaches_decode() {
         let decode = h.only_decode(&id).json();
         let sent: Value = serde_json::from_str(original).unwrap();
         assert_eq!(decode["min_tokens"], sent["min_tokens"]);
+    }
+}
+
+/// What vLLM cannot serve split in two gets a 400 that says why, before any worker is
+/// called: neither prefill's KV nor decode's compute is spent on it.
+#[tokio::test]
+async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
+    let h = harness();
+    for (label, path, body, text) in [
+        (
+            "beam-completions",
+            COMPLETIONS,
+            r#"{"prompt":"a b","max_tokens":4,"use_beam_search":true,"n":2}"#,
+            "use_beam_search cannot be served",
+        ),
+        (
+            "beam-chat",
+            CHAT,
+            r#"{"messages":[{"role":"user","content":"hi"}],"use_beam_search":"on"}"#,
+            "use_beam_search cannot be served",
+        ),
+        (
+            "echo-logprobs",
+            COMPLETIONS,
+            r#"{"prompt":"a b","echo":true,"logprobs":1}"#,
+            "echo with logprobs cannot be served",
+        ),
+        (
+            "chat-echo",
+            CHAT,
+            r#"{"messages":[{"role":"user","content":"hi"}],"echo":true}"#,
+            "echo cannot be served",
+        ),
+        (
+            "stored-response",
+            RESPONSES,
+            r#"{"input":"go on","previous_response_id":"resp_1"}"#,
+            "previous_response_id cannot be served",
+        ),
+    ] {
+        let id = unique_id(label);
+        let reply = assert_refused("default", path, &id, body, 400, text).await;
+        assert_eq!(reply.json()["error"]["type"], "BadRequestError", "{label}");
+        assert!(
+            h.prefill_requests(&id).is_empty(),
+            "{label}: prefill was called"
+        );
     }
 }
 

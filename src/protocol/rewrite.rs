@@ -181,6 +181,16 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
              without echo",
         ));
     }
+    if matches!(api, Api::Completions | Api::ChatCompletions) && object.is_true("use_beam_search") {
+        // vLLM's beam search runs outside the engine's request path: it hands back no
+        // kv_transfer_params, so prefill's work would be lost and decode would compute the
+        // whole prompt itself.
+        return Err(ClientError::bad_request(
+            "use_beam_search cannot be served through prefill/decode disaggregation: vLLM's \
+             beam search does not hand its KV cache from prefill to decode; send the request \
+             without use_beam_search",
+        ));
+    }
     if api == Api::Responses && object.is_set("previous_response_id") {
         // Each vLLM server keeps stored responses in its own memory: prefill has none of
         // decode's, and would answer 404.
@@ -831,7 +841,7 @@ mod tests {
     }
 
     #[test]
-    fn chat_echo_and_a_stored_previous_response_are_refused() {
+    fn chat_echo_beam_search_and_a_stored_previous_response_are_refused() {
         for (api, body, refused) in [
             (Api::ChatCompletions, r#"{"messages":[],"echo":true}"#, true),
             (
@@ -858,6 +868,26 @@ mod tests {
             (
                 Api::Responses,
                 r#"{"input":"x","previous_response_id":null}"#,
+                false,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"x","use_beam_search":true,"n":2}"#,
+                true,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"use_beam_search":"yes"}"#,
+                true,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"use_beam_search":false}"#,
+                false,
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"x","use_beam_search":true}"#,
                 false,
             ),
             // Not these APIs' fields: nothing to refuse.
