@@ -673,15 +673,11 @@ impl HttpContext for PdRequest {
         let envoys_own = details
             .as_deref()
             .is_some_and(|details| details != "via_upstream");
-        let content_length = headers.value("content-length");
         let head = ResponseHead {
             status,
             content_type: headers.text("content-type"),
             has_request_id: headers.value("x-request-id").is_some(),
-            has_content_length: content_length.is_some(),
-            content_length: content_length
-                .and_then(|length| std::str::from_utf8(length).ok())
-                .and_then(|length| length.trim().parse().ok()),
+            content_length: headers.value("content-length"),
             code_details: details.as_deref(),
             decode_connected: envoys_own.then(decode_was_connected),
         };

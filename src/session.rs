@@ -221,14 +221,21 @@ pub struct ResponseHead<'a> {
     pub status: Option<u16>,
     pub content_type: Option<&'a str>,
     pub has_request_id: bool,
-    pub has_content_length: bool,
-    /// Its value, when it is a number.
-    pub content_length: Option<usize>,
+    /// Decode's `content-length` header, as sent.
+    pub content_length: Option<&'a [u8]>,
     /// Envoy's `response.code_details` (`via_upstream` for decode's own answer), when asked
     /// for ([`Session::wants_response_details`]).
     pub code_details: Option<&'a str>,
     /// For an answer Envoy made itself: whether the stream ever had a connection to decode.
     pub decode_connected: Option<bool>,
+}
+
+impl ResponseHead<'_> {
+    /// The answer's length in bytes, when decode announced one that is a number.
+    fn announced_length(&self) -> Option<usize> {
+        let text = std::str::from_utf8(self.content_length?).ok()?;
+        text.trim().parse().ok()
+    }
 }
 
 /// KV that prefill made and decode has not read yet.
@@ -904,13 +911,13 @@ impl Session {
                 essence
                     .eq_ignore_ascii_case("application/json")
                     .then_some(AnswerRewrite::Whole {
-                        length: head.content_length,
+                        length: head.announced_length(),
                     })
             };
             if let Some(rewrite) = rewrite {
                 *answer = rewrite;
                 // The rewritten answer's length differs: Envoy frames it.
-                if head.has_content_length {
+                if head.content_length.is_some() {
                     commands.push(Command::RemoveResponseHeader("content-length".to_owned()));
                 }
             }

@@ -322,8 +322,7 @@ fn upstream(status: u16) -> ResponseHead<'static> {
         status: Some(status),
         content_type: Some("application/json"),
         has_request_id: true,
-        has_content_length: true,
-        content_length: None,
+        content_length: Some(b"200"),
         code_details: Some("via_upstream"),
         decode_connected: None,
     }
@@ -334,8 +333,7 @@ fn unreached(details: &'static str) -> ResponseHead<'static> {
         status: Some(503),
         content_type: Some("text/plain"),
         has_request_id: true,
-        has_content_length: true,
-        content_length: None,
+        content_length: Some(b"200"),
         code_details: Some(details),
         decode_connected: None,
     }
@@ -884,10 +882,11 @@ fn reads_stream(config: &str, path: &str, body: &str) -> bool {
 #[test]
 fn an_answer_of_the_announced_length_is_merged_without_waiting_for_the_streams_end() {
     let answer = br#"{"id":"d","choices":[{"text":"abc"}],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":3}}}"#;
+    let answer_length = answer.len().to_string();
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), prefill_with_usage(1).as_bytes(), at(5));
     s.on_response_headers(&ResponseHead {
-        content_length: Some(answer.len()),
+        content_length: Some(answer_length.as_bytes()),
         ..upstream(200)
     });
     assert_eq!(
@@ -1004,7 +1003,6 @@ fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
     let mut chunked = prefilling_body("", asks_usage);
     chunked.on_prefill_answer(1, Some(200), prefill_with_usage(0).as_bytes(), at(5));
     let without_length = ResponseHead {
-        has_content_length: false,
         content_length: None,
         ..head
     };
