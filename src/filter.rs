@@ -471,6 +471,15 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
                 );
             }
         }
+        Command::SetResponseHeader { name, value } => {
+            if let Err(status) = host::set_header(MapType::HttpResponseHeaders, &name, Some(&value))
+            {
+                log::warn!(
+                    "[{}] could not set response header {name}: {status:?}",
+                    request_id()
+                );
+            }
+        }
         Command::AddResponseHeader { name, value } => {
             if let Err(status) = host::add_header(MapType::HttpResponseHeaders, &name, &value) {
                 log::warn!("[{}] could not add {name}: {status:?}", request_id());
@@ -655,7 +664,7 @@ impl HttpContext for PdRequest {
         self.run_body_step(step)
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if !self.request.session.borrow().watches_response() {
             return Action::Continue;
         }
@@ -678,13 +687,12 @@ impl HttpContext for PdRequest {
             content_type: headers.text("content-type"),
             has_request_id: headers.value("x-request-id").is_some(),
             content_length: headers.value("content-length"),
+            end_of_stream,
             code_details: details.as_deref(),
             decode_connected: envoys_own.then(decode_was_connected),
         };
-        let commands = self.request.session.borrow_mut().on_response_headers(&head);
-        self.worker
-            .act_on(&self.request, commands, In::Request, &Clock::default());
-        Action::Continue
+        let step = self.request.session.borrow_mut().on_response_headers(&head);
+        self.run(step)
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {

@@ -78,6 +78,11 @@ pub enum Command {
         name: String,
         value: String,
     },
+    /// Sets a response header (only while the response headers are held or being read).
+    SetResponseHeader {
+        name: String,
+        value: String,
+    },
     /// Sets a value in Envoy's filter state for the request, where access logs read it
     /// (`%FILTER_STATE(wasm.KEY:PLAIN)%`).
     SetFilterState {
@@ -208,9 +213,14 @@ enum State {
 enum AnswerRewrite {
     /// Not at all.
     Untouched,
-    /// A JSON answer, held whole and written again with merged usage; its length, when
+    /// A JSON answer, held whole and written again with merged usage. Its length, when
     /// decode announced it, tells when it is whole before Envoy says the stream ended.
-    Whole { length: Option<usize> },
+    /// `headers_held`: the answer's headers wait for its body, so that the client gets the
+    /// rewritten answer's own `content-length`, as from vLLM; otherwise Envoy frames it.
+    Whole {
+        length: Option<usize>,
+        headers_held: bool,
+    },
     /// Server-sent events, passed on as they come but for the usage event.
     Events(EventStream),
 }
@@ -223,6 +233,8 @@ pub struct ResponseHead<'a> {
     pub has_request_id: bool,
     /// Decode's `content-length` header, as sent.
     pub content_length: Option<&'a [u8]>,
+    /// The answer has no body.
+    pub end_of_stream: bool,
     /// Envoy's `response.code_details` (`via_upstream` for decode's own answer), when asked
     /// for ([`Session::wants_response_details`]).
     pub code_details: Option<&'a str>,
@@ -873,10 +885,11 @@ impl Session {
         unread && status.is_none_or(|status| status >= 400)
     }
 
-    /// The response to the client begins.
-    pub fn on_response_headers(&mut self, head: &ResponseHead) -> Vec<Command> {
+    /// The response to the client begins. Its headers wait only for a JSON answer whose
+    /// usage is merged, when its length is announced and headers may be held.
+    pub fn on_response_headers(&mut self, head: &ResponseHead) -> Step {
         let Some(config) = self.config.clone() else {
-            return Vec::new();
+            return Step::new(Flow::Continue, vec![]);
         };
         let State::Decoding {
             prefill_time,
@@ -887,9 +900,10 @@ impl Session {
             answer,
         } = &mut self.state
         else {
-            return Vec::new();
+            return Step::new(Flow::Continue, vec![]);
         };
         let mut commands = Vec::new();
+        let mut flow = Flow::Continue;
         if let (Some(name), Some(elapsed)) = (&config.prefill_time_header, prefill_time) {
             commands.push(Command::AddResponseHeader {
                 name: name.clone(),
@@ -902,25 +916,41 @@ impl Session {
                 value: self.request_id.clone(),
             });
         }
-        if (prompt_usage.is_some() || prompt_logprobs.is_some()) && head.status == Some(200) {
-            let essence = head.content_type.map(media_type).unwrap_or_default().trim();
-            let rewrite = if essence.eq_ignore_ascii_case("text/event-stream") {
-                (prompt_usage.is_some() && *stream_usage)
-                    .then(|| AnswerRewrite::Events(EventStream::default()))
-            } else {
-                essence
-                    .eq_ignore_ascii_case("application/json")
-                    .then_some(AnswerRewrite::Whole {
-                        length: head.announced_length(),
+        let rewrites = (prompt_usage.is_some() || prompt_logprobs.is_some())
+            && head.status == Some(200)
+            && !head.end_of_stream;
+        let essence = head.content_type.map(media_type).unwrap_or_default().trim();
+        let mut rewrite = None;
+        if rewrites && essence.eq_ignore_ascii_case("text/event-stream") {
+            rewrite = (prompt_usage.is_some() && *stream_usage)
+                .then(|| AnswerRewrite::Events(EventStream::default()));
+        } else if rewrites && essence.eq_ignore_ascii_case("application/json") {
+            rewrite = match head.announced_length() {
+                // Empty, or larger than any answer worth holding: as decode wrote it.
+                Some(0) => None,
+                Some(length) if length > config.max_request_body_bytes => None,
+                length => {
+                    // Holding headers needs `allow_on_headers_stop_iteration`, which comes
+                    // with `hold_request_headers`: without it Envoy would hold the body from
+                    // the filter too, and the answer would never come.
+                    let headers_held = length.is_some() && config.hold_request_headers;
+                    if headers_held {
+                        flow = Flow::Pause;
+                    }
+                    Some(AnswerRewrite::Whole {
+                        length,
+                        headers_held,
                     })
-            };
-            if let Some(rewrite) = rewrite {
-                *answer = rewrite;
-                // The rewritten answer's length differs: Envoy frames it.
-                if head.content_length.is_some() {
-                    commands.push(Command::RemoveResponseHeader("content-length".to_owned()));
                 }
+            };
+        }
+        if let Some(rewrite) = rewrite {
+            // Headers that go on before the answer is rewritten cannot tell its length:
+            // Envoy frames it.
+            if flow == Flow::Continue && head.content_length.is_some() {
+                commands.push(Command::RemoveResponseHeader("content-length".to_owned()));
             }
+            *answer = rewrite;
         }
         // Decode has the request from here on, or never will.
         let unread = unread_kv.take();
@@ -944,7 +974,7 @@ impl Session {
                 commands.extend(self.release(&config, unread));
             }
         }
-        commands
+        Step::new(flow, commands)
     }
 
     /// `size` bytes of the answer arrived (all of it held so far, for a whole answer).
@@ -965,7 +995,7 @@ impl Session {
                 }
                 // Envoy gives decode's body, then the stream's end in a call of its own: an
                 // answer of the length announced is whole already, and is not held for it.
-                AnswerRewrite::Whole { length } if end_of_stream || *length == Some(size) => {
+                AnswerRewrite::Whole { length, .. } if end_of_stream || *length == Some(size) => {
                     BodyStep::ReadBody
                 }
                 AnswerRewrite::Whole { .. } => BodyStep::Step(Step::new(Flow::Pause, vec![])),
@@ -986,9 +1016,13 @@ impl Session {
         else {
             return Step::new(Flow::Continue, vec![]);
         };
+        let mut headers_held = false;
         let rewritten = match answer {
             AnswerRewrite::Untouched => None,
-            AnswerRewrite::Whole { .. } => {
+            AnswerRewrite::Whole {
+                headers_held: held, ..
+            } => {
+                headers_held = *held;
                 // Read once, whole: what comes after (the stream's end) goes on as it is.
                 *answer = AnswerRewrite::Untouched;
                 let merged = prompt_usage.and_then(|(api, prompt)| merge_answer(api, body, prompt));
@@ -1021,13 +1055,20 @@ impl Session {
             }
             fits
         });
-        let commands = rewritten
-            .map(|rewritten| Command::ReplaceResponseBody {
+        let mut commands = Vec::new();
+        if let Some(rewritten) = rewritten {
+            // The headers waited for this body: they announce the rewritten one.
+            if headers_held {
+                commands.push(Command::SetResponseHeader {
+                    name: "content-length".to_owned(),
+                    value: rewritten.len().to_string(),
+                });
+            }
+            commands.push(Command::ReplaceResponseBody {
                 body: rewritten,
                 replaced_len: body.len(),
-            })
-            .into_iter()
-            .collect();
+            });
+        }
         Step::new(Flow::Continue, commands)
     }
 

@@ -103,6 +103,17 @@ async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
             assert_eq!(usage[api.output], 5, "{case}: {usage}");
             let prompt = usage[api.prompt].as_u64().unwrap();
             assert_eq!(usage["total_tokens"], prompt + 5, "{case}: {usage}");
+            if !stream {
+                // Headers held (as shipped): the rewritten answer's own length, as vLLM
+                // would announce it, rather than chunks.
+                let length = reply.body.len().to_string();
+                assert_eq!(
+                    reply.header("content-length"),
+                    Some(length.as_str()),
+                    "{case}"
+                );
+                assert_eq!(reply.header("transfer-encoding"), None, "{case}");
+            }
             // Every other byte is decode's: the text and, for streams, an intact stream.
             let (text, _, ended) = answer_text(&reply.body);
             assert!(ended, "{case}");

@@ -191,7 +191,7 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
     );
 
     assert_eq!(
-        session.on_response_headers(&upstream(200)),
+        session.on_response_headers(&upstream(200)).commands,
         vec![Command::AddResponseHeader {
             name: "x-pd-prefill-ms".into(),
             value: "40".into()
@@ -323,6 +323,7 @@ fn upstream(status: u16) -> ResponseHead<'static> {
         content_type: Some("application/json"),
         has_request_id: true,
         content_length: Some(b"200"),
+        end_of_stream: false,
         code_details: Some("via_upstream"),
         decode_connected: None,
     }
@@ -334,6 +335,7 @@ fn unreached(details: &'static str) -> ResponseHead<'static> {
         content_type: Some("text/plain"),
         has_request_id: true,
         content_length: Some(b"200"),
+        end_of_stream: false,
         code_details: Some(details),
         decode_connected: None,
     }
@@ -419,7 +421,7 @@ fn kv_is_released_only_when_decode_never_took_the_request() {
         "a 200 is decode's own"
     );
     assert!(s.wants_response_details(Some(503)));
-    let commands = s.on_response_headers(&unreached(unreachable));
+    let commands = s.on_response_headers(&unreached(unreachable)).commands;
     // The client's body is no longer held once decode has it: the release is one token
     // of prompt, for the same model, on the same KV.
     let release = released(&commands);
@@ -434,13 +436,17 @@ fn kv_is_released_only_when_decode_never_took_the_request() {
     assert_eq!(path, Some("/v1/completions"));
     assert!(!s.wants_response_details(Some(503)), "asked once");
     assert!(
-        s.on_response_headers(&unreached(unreachable)).is_empty(),
+        s.on_response_headers(&unreached(unreachable))
+            .commands
+            .is_empty(),
         "once"
     );
 
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
-    assert!(!has_release(&s.on_response_headers(&upstream(200))));
+    assert!(!has_release(
+        &s.on_response_headers(&upstream(200)).commands
+    ));
 
     // The client leaving mid-stream: decode has the KV already.
     let mut s = prefilling("");
@@ -450,13 +456,16 @@ fn kv_is_released_only_when_decode_never_took_the_request() {
     let mut s2 = prefilling("");
     s2.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     s2.on_client_gone();
-    assert!(s2.on_response_headers(&unreached(unreachable)).is_empty());
+    assert!(s2
+        .on_response_headers(&unreached(unreachable))
+        .commands
+        .is_empty());
 
     // Without kv_transfer_params (decode only) there is nothing to release.
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), b"{}", at(5));
     assert!(!has_release(
-        &s.on_response_headers(&unreached(unreachable))
+        &s.on_response_headers(&unreached(unreachable)).commands
     ));
 
     // A body that could not be written: the client gets 500, the KV is released.
@@ -497,7 +506,10 @@ fn an_answer_envoy_made_before_any_decode_connection_releases_the_kv() {
             decode_connected: connected,
             ..upstream(408)
         };
-        assert_eq!(has_release(&s.on_response_headers(&timeout)), releases);
+        assert_eq!(
+            has_release(&s.on_response_headers(&timeout).commands),
+            releases
+        );
     }
 }
 
@@ -507,7 +519,7 @@ fn kv_is_released_when_decode_refuses_a_request_prefill_served() {
     let mut s = prefilling_body("", r#"{"prompt":"x","max_tokens":1,"min_tokens":5}"#);
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(s.wants_response_details(Some(400)));
-    let release = released(&s.on_response_headers(&upstream(400)));
+    let release = released(&s.on_response_headers(&upstream(400)).commands);
     assert_eq!(release["max_tokens"], 1);
     assert!(release.get("min_tokens").is_none(), "{release}");
 
@@ -518,13 +530,15 @@ fn kv_is_released_when_decode_refuses_a_request_prefill_served() {
         code_details: Some("request_payload_too_large"),
         ..upstream(413)
     };
-    assert!(!has_release(&s.on_response_headers(&envoys)));
+    assert!(!has_release(&s.on_response_headers(&envoys).commands));
 
     // Switched off with the rest of the releases.
     let mut s = prefilling(r#"{"release_kv_on_abandon":false}"#);
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(!s.wants_response_details(Some(400)));
-    assert!(!has_release(&s.on_response_headers(&upstream(400))));
+    assert!(!has_release(
+        &s.on_response_headers(&upstream(400)).commands
+    ));
 }
 
 #[test]
@@ -908,6 +922,102 @@ fn an_answer_of_the_announced_length_is_merged_without_waiting_for_the_streams_e
     );
 }
 
+const HOLDS_HEADERS: &str = r#"{"hold_request_headers":true,"max_request_body_bytes":4096}"#;
+
+/// A session that merges usage into decode's JSON answer of `length` announced bytes; the
+/// step its response headers took.
+fn merging_answer_of(config: &str, length: &str) -> (Session, Step) {
+    let mut s = prefilling(config);
+    s.on_prefill_answer(1, Some(200), prefill_with_usage(1).as_bytes(), at(5));
+    let step = s.on_response_headers(&ResponseHead {
+        content_length: Some(length.as_bytes()),
+        ..upstream(200)
+    });
+    (s, step)
+}
+
+#[test]
+fn with_headers_held_a_merged_json_answer_keeps_a_content_length_of_its_own() {
+    let answer = br#"{"id":"d","choices":[{"text":"abc"}],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":3}}}"#;
+    let (mut s, step) = merging_answer_of(HOLDS_HEADERS, &answer.len().to_string());
+    assert_eq!(step.flow, Flow::Pause, "the headers wait for the body");
+    assert!(
+        !step
+            .commands
+            .iter()
+            .any(|c| matches!(c, Command::RemoveResponseHeader(_))),
+        "{:?}",
+        step.commands
+    );
+    assert_eq!(s.on_response_body(answer.len(), false), BodyStep::ReadBody);
+    let step = s.on_response_body_read(answer, false);
+    assert_eq!(step.flow, Flow::Continue);
+    let [Command::SetResponseHeader { name, value }, Command::ReplaceResponseBody { body, .. }] =
+        step.commands.as_slice()
+    else {
+        panic!("{:?}", step.commands);
+    };
+    assert_eq!(name, "content-length");
+    assert_eq!(value, &body.len().to_string());
+    assert_ne!(body.as_slice(), answer.as_slice());
+}
+
+#[test]
+fn with_headers_held_an_answer_left_as_it_was_keeps_decodes_headers() {
+    let prefill = format!(
+        r#"{{"id":"p","kv_transfer_params":{KV},"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}}}"#
+    );
+    let answer = br#"{"id":"d","choices":[{"text":"abc"}],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12}}"#;
+    let mut s = prefilling(HOLDS_HEADERS);
+    s.on_prefill_answer(1, Some(200), prefill.as_bytes(), at(5));
+    let step = s.on_response_headers(&ResponseHead {
+        content_length: Some(answer.len().to_string().as_bytes()),
+        ..upstream(200)
+    });
+    assert_eq!(step.flow, Flow::Pause);
+    assert_eq!(s.on_response_body(answer.len(), false), BodyStep::ReadBody);
+    assert_eq!(
+        s.on_response_body_read(answer, false),
+        Step::new(Flow::Continue, vec![])
+    );
+}
+
+#[test]
+fn headers_wait_only_for_a_json_body_worth_holding() {
+    // Larger than the limit: decode's answer goes on as it is, headers and all.
+    let (mut s, step) = merging_answer_of(HOLDS_HEADERS, "5000");
+    assert_eq!(step.flow, Flow::Continue);
+    assert!(!step
+        .commands
+        .iter()
+        .any(|c| matches!(c, Command::RemoveResponseHeader(_))));
+    assert_eq!(
+        s.on_response_body(4000, false),
+        BodyStep::Step(Step::new(Flow::Continue, vec![]))
+    );
+    // Empty, or no body at all.
+    assert_eq!(merging_answer_of(HOLDS_HEADERS, "0").1.flow, Flow::Continue);
+    let mut s = prefilling(HOLDS_HEADERS);
+    s.on_prefill_answer(1, Some(200), prefill_with_usage(1).as_bytes(), at(5));
+    let head = ResponseHead {
+        end_of_stream: true,
+        ..upstream(200)
+    };
+    assert_eq!(s.on_response_headers(&head).flow, Flow::Continue);
+    // Without the host's leave to hold headers, Envoy frames the merged answer.
+    let (_, step) = merging_answer_of("", "150");
+    assert_eq!(step.flow, Flow::Continue);
+    assert!(step
+        .commands
+        .contains(&Command::RemoveResponseHeader("content-length".to_owned())));
+    // A length that is not a number cannot be kept.
+    let (_, step) = merging_answer_of(HOLDS_HEADERS, "many");
+    assert_eq!(step.flow, Flow::Continue);
+    assert!(step
+        .commands
+        .contains(&Command::RemoveResponseHeader("content-length".to_owned())));
+}
+
 #[test]
 fn an_answer_the_merge_leaves_as_it_was_is_not_written_back() {
     // Neither leg reports cached_tokens (vLLM's default) and both count the same prompt.
@@ -972,7 +1082,7 @@ fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
     let answer = br#"{"id":"d","choices":[{"text":"abc"}],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":3}}}"#;
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), prefill_with_usage(1).as_bytes(), at(5));
-    let commands = s.on_response_headers(&upstream(200));
+    let commands = s.on_response_headers(&upstream(200)).commands;
     assert!(commands.contains(&Command::RemoveResponseHeader("content-length".into())));
     assert_eq!(
         s.on_response_body(10, false),
@@ -1008,10 +1118,12 @@ fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
     };
     assert!(!chunked
         .on_response_headers(&without_length)
+        .commands
         .iter()
         .any(|c| matches!(c, Command::RemoveResponseHeader(_))));
     assert!(s
         .on_response_headers(&head)
+        .commands
         .contains(&Command::RemoveResponseHeader("content-length".into())));
     let token = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
     assert_eq!(s.on_response_body(token.len(), false), BodyStep::ReadBody);
@@ -1045,6 +1157,7 @@ fn every_answer_of_an_orchestrated_request_carries_its_request_id() {
     };
     assert!(s
         .on_response_headers(&head)
+        .commands
         .contains(&Command::AddResponseHeader {
             name: "x-request-id".into(),
             value: "req-1".into()
