@@ -124,6 +124,12 @@ async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
             "use_beam_search cannot be served",
         ),
         (
+            "prompt-list",
+            COMPLETIONS,
+            r#"{"prompt":["one two three","four five six seven"],"max_tokens":3}"#,
+            "a list of several prompts cannot be served",
+        ),
+        (
             "echo-logprobs",
             COMPLETIONS,
             r#"{"prompt":"a b","echo":true,"logprobs":1}"#,

@@ -200,6 +200,13 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
              none of them; send the conversation's input instead",
         ));
     }
+    if api == Api::Completions && batches_prompts(&object) {
+        return Err(ClientError::bad_request(
+            "a list of several prompts cannot be served through prefill/decode \
+             disaggregation: vLLM's prefill answers with the KV of the first prompt only, \
+             and decode would run every prompt on it; send one prompt per request",
+        ));
+    }
     if api == Api::Completions && echoes_prompt_logprobs(&object) {
         return Err(ClientError::bad_request(
             "echo with logprobs cannot be served through prefill/decode disaggregation: the \
@@ -373,6 +380,23 @@ fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
 /// logprobs into each choice's `logprobs`, which decode on prefill's KV cannot compute.
 fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
     object.is_true("echo") && object.is_set("logprobs")
+}
+
+/// Whether a completions request sends several prompts in one: a list of strings or of
+/// token lists (a list of numbers is one prompt's tokens).
+fn batches_prompts(object: &JsonObject) -> bool {
+    let Some(prompt) = object.last_value("prompt") else {
+        return false;
+    };
+    let Some(inner) = prompt.strip_prefix(b"[") else {
+        return false;
+    };
+    let first = inner.iter().find(|byte| !byte.is_ascii_whitespace());
+    if !matches!(first, Some(b'"' | b'[')) {
+        return false;
+    }
+    serde_json::from_slice::<Vec<serde::de::IgnoredAny>>(prompt)
+        .is_ok_and(|prompts| prompts.len() > 1)
 }
 
 /// Whether a tokens-in request asks for prompt logprobs (in its `sampling_params`).
@@ -874,6 +898,22 @@ mod tests {
                 Api::Completions,
                 r#"{"prompt":"x","use_beam_search":true,"n":2}"#,
                 true,
+            ),
+            (Api::Completions, r#"{"prompt":["a","b"]}"#, true),
+            (Api::Completions, r#"{"prompt":[ [1,2], [3]]}"#, true),
+            (Api::Completions, r#"{"prompt":["a"]}"#, false),
+            (Api::Completions, r#"{"prompt":[[1,2,3]]}"#, false),
+            (Api::Completions, r#"{"prompt":[1,2,3]}"#, false),
+            (Api::Completions, r#"{"prompt":[]}"#, false),
+            (
+                Api::Completions,
+                r#"{"prompt":["a","b"],"prompt":"c"}"#,
+                false,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"prompt":["a","b"]}"#,
+                false,
             ),
             (
                 Api::ChatCompletions,
