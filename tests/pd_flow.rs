@@ -158,6 +158,28 @@ async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
     }
 }
 
+/// vLLM 0.11 answers a non-streamed one-token `"required"` tool choice with a 400 (it reads
+/// the text as a whole list of calls): prefill gets the first tool by name, decode the
+/// client's choice.
+#[tokio::test]
+async fn a_required_tool_choice_reaches_prefill_as_the_first_tool_by_name() {
+    let h = harness();
+    let id = unique_id("tool-required");
+    let tool = json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+    let original = json!({"messages": [{"role": "user", "content": "weather in Paris"}],
+        "tools": [tool], "tool_choice": "required", "max_tokens": 20})
+    .to_string();
+    assert_served("default", CHAT, &id, &original).await;
+    let prefill = h.only_prefill(&id).json();
+    assert_eq!(
+        prefill["tool_choice"],
+        json!({"type": "function", "function": {"name": "get_weather"}})
+    );
+    assert_eq!(prefill["tools"], json!([tool]));
+    assert_eq!(h.only_decode(&id).json()["tool_choice"], "required");
+}
+
 #[tokio::test]
 async fn n_is_one_on_prefill_and_the_clients_on_decode() {
     let h = harness();

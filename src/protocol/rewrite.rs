@@ -337,6 +337,17 @@ pub fn kv_release_body(api: Api, body: &[u8], kv_transfer_params: &[u8]) -> Opti
 /// its `kv_transfer_params`.
 fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
     let text = object.text();
+    if api == Api::ChatCompletions {
+        if let Some(named) = named_instead_of_required(object) {
+            let capped = one_token_splice(api, object, Edit::Slot).write(text, kv);
+            return match JsonObject::parse(&capped) {
+                Ok(capped_object) => capped_object
+                    .splice_member("tool_choice", Edit::Slot)
+                    .write(&capped, &named),
+                Err(_) => capped,
+            };
+        }
+    }
     if api != Api::Generate {
         return one_token_splice(api, object, Edit::Slot).write(text, kv);
     }
@@ -357,6 +368,31 @@ fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
         Ok(capped_object) => one_token_splice(api, &capped_object, Edit::Slot).write(&capped, kv),
         Err(_) => capped,
     }
+}
+
+/// For a chat request whose `tool_choice` is `"required"`, a choice of its first tool by
+/// name. vLLM (0.11, for one) reads a non-streamed answer's text under `"required"` as a
+/// whole list of tool calls, which one token never is, and answers 400. A named choice is
+/// taken as it comes. The prompt is the same under either choice (the tools are rendered
+/// alike), and prefill's one token is never used.
+fn named_instead_of_required(object: &JsonObject) -> Option<Vec<u8>> {
+    #[derive(serde::Deserialize)]
+    struct Tool {
+        function: Function,
+    }
+    #[derive(serde::Deserialize)]
+    struct Function {
+        name: String,
+    }
+    let choice: String = serde_json::from_slice(object.last_value("tool_choice")?).ok()?;
+    if choice != "required" {
+        return None;
+    }
+    let tools: Vec<&serde_json::value::RawValue> =
+        serde_json::from_slice(object.last_value("tools")?).ok()?;
+    let first: Tool = serde_json::from_str(tools.first()?.get()).ok()?;
+    let named = serde_json::json!({"type": "function", "function": {"name": first.function.name}});
+    Some(named.to_string().into_bytes())
 }
 
 /// `sampling_params` of the tokens-in API capped to one token: one sequence, no minimum.
@@ -483,6 +519,52 @@ mod tests {
     fn prefill_json(api: Api, body: &str) -> Value {
         let prepared = prepare(api, body.as_bytes()).unwrap();
         serde_json::from_slice(&prepared.prefill_body).unwrap()
+    }
+
+    #[test]
+    fn a_required_tool_choice_names_the_first_tool_on_prefill_only() {
+        let tools = r#"[{"type":"function","function":{"name":"get_\"weather","parameters":{}}},{"type":"function","function":{"name":"other"}}]"#;
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"hi"}}],"tools":{tools},"tool_choice":"required","stream":true}}"#
+        );
+        let prepared = prepare(Api::ChatCompletions, body.as_bytes()).unwrap();
+        let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+        assert_eq!(
+            prefill["tool_choice"],
+            json!({"type": "function", "function": {"name": "get_\"weather"}})
+        );
+        assert_eq!(
+            prefill["tools"],
+            serde_json::from_str::<Value>(tools).unwrap()
+        );
+        assert_eq!(prefill["max_tokens"], 1);
+        assert_eq!(prefill["kv_transfer_params"], remote_decode());
+        // Decode serves the client's choice.
+        let decode = prepared.decode.body_with_kv(body.as_bytes(), b"{}");
+        let decode: Value = serde_json::from_slice(&decode).unwrap();
+        assert_eq!(decode["tool_choice"], "required");
+        // Nothing to name, another choice, or another API: left as sent.
+        for (api, body) in [
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"tools":[],"tool_choice":"required"}"#,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"auto"}"#,
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"x","tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required"}"#,
+            ),
+        ] {
+            let sent: Value = serde_json::from_str(body).unwrap();
+            assert_eq!(
+                prefill_json(api, body)["tool_choice"],
+                sent["tool_choice"],
+                "{body}"
+            );
+        }
     }
 
     fn remote_decode() -> Value {

@@ -126,12 +126,20 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
     let sent = members(client_text)?;
     let got = members(prefill_text)?;
     let responses = path == "/v1/responses";
+    // A chat request's "required" tool choice names a tool on prefill (checked by its test).
+    let names_a_tool = path == "/v1/chat/completions"
+        && sent
+            .iter()
+            .rev()
+            .find(|(key, _)| key == "tool_choice")
+            .is_some_and(|(_, value)| value.get() == r#""required""#);
     let edited = |key: &str| {
         CAPPED.contains(&key)
             || REMOVED.contains(&key)
             || key == "stream"
             || key == KV
             || (responses && (key == "store" || key == "background"))
+            || (names_a_tool && key == "tool_choice")
     };
     let kept = |members: &[(String, &RawValue)]| -> Vec<(String, String)> {
         members
