@@ -47,6 +47,15 @@ def main(base_url):
             check(name, False, "no error raised")
         except expected as error:
             check(f"{name} is {expected.__name__}", error.status_code >= 400, error)
+            if name == "prefill 503":
+                # The filter's own answer, in Anthropic's shape as vLLM's Messages API writes it.
+                body = error.body if isinstance(error.body, dict) else {}
+                check(
+                    "the filter's 503 is an Anthropic error",
+                    body.get("type") == "error"
+                    and body.get("error", {}).get("type") == "overloaded_error",
+                    error.body,
+                )
 
 
 if __name__ == "__main__":

@@ -1229,7 +1229,7 @@ impl Session {
         Command::SendReply(LocalReply {
             status: error.status,
             headers,
-            body: error.to_json(),
+            body: error.body_for(self.api),
         })
     }
 }

@@ -1,6 +1,9 @@
-//! Errors the client is answered with, in the OpenAI shape.
+//! Errors the client is answered with, in the shape of the API it called.
 
-/// An error answered to the client: `{"error":{"message","type","param","code"}}`.
+use crate::api::Api;
+
+/// An error answered to the client: `{"error":{"message","type","param","code"}}`, or
+/// Anthropic's `{"type":"error","error":{"type","message"}}` on the Messages API.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientError {
     pub status: u16,
@@ -55,6 +58,24 @@ impl ClientError {
         ClientError::new(500, message)
     }
 
+    /// The body for a client of `api`. vLLM answers Anthropic's shape on the Messages API,
+    /// whose SDKs read `error.type` in Anthropic's words; the OpenAI shape elsewhere.
+    pub fn body_for(&self, api: Option<Api>) -> Vec<u8> {
+        match (&self.verbatim, api) {
+            (Some(body), _) => body.clone(),
+            (None, Some(Api::Messages)) => self.to_anthropic_json(),
+            (None, _) => self.to_json(),
+        }
+    }
+
+    fn to_anthropic_json(&self) -> Vec<u8> {
+        let body = serde_json::json!({
+            "type": "error",
+            "error": {"type": anthropic_error_type(self.status), "message": self.message},
+        });
+        body.to_string().into_bytes()
+    }
+
     pub fn to_json(&self) -> Vec<u8> {
         if let Some(body) = &self.verbatim {
             return body.clone();
@@ -82,6 +103,20 @@ impl ClientError {
         serde_json::to_vec(&envelope).unwrap_or_else(|_| {
             br#"{"error":{"message":"pd-filter error","type":"InternalServerError","param":null,"code":500}}"#.to_vec()
         })
+    }
+}
+
+/// Anthropic's `error.type` for a status, as vLLM's Messages API words it.
+fn anthropic_error_type(status: u16) -> &'static str {
+    match status {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        500..=599 => "api_error",
+        _ => "invalid_request_error",
     }
 }
 
@@ -114,6 +149,34 @@ mod tests {
             String::from_utf8(body).unwrap(),
             r#"{"error":{"message":"say \"no\"","type":"BadRequestError","param":null,"code":400}}"#
         );
+    }
+
+    #[test]
+    fn messages_clients_get_anthropics_shape() {
+        let body = ClientError::bad_request("no").body_for(Some(Api::Messages));
+        assert_eq!(
+            String::from_utf8(body).unwrap(),
+            r#"{"error":{"message":"no","type":"invalid_request_error"},"type":"error"}"#
+        );
+        for (status, kind) in [
+            (413, "request_too_large"),
+            (415, "invalid_request_error"),
+            (502, "api_error"),
+            (503, "overloaded_error"),
+            (504, "api_error"),
+        ] {
+            let body = ClientError::new(status, "x").body_for(Some(Api::Messages));
+            let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(body["error"]["type"], kind, "{status}");
+        }
+        let openai = ClientError::bad_request("no");
+        assert_eq!(openai.body_for(Some(Api::ChatCompletions)), openai.to_json());
+        assert_eq!(openai.body_for(None), openai.to_json());
+        let verbatim = ClientError {
+            verbatim: Some(b"as written".to_vec()),
+            ..ClientError::bad_request("no")
+        };
+        assert_eq!(verbatim.body_for(Some(Api::Messages)), b"as written");
     }
 
     #[test]
