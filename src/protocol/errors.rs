@@ -170,7 +170,10 @@ mod tests {
             assert_eq!(body["error"]["type"], kind, "{status}");
         }
         let openai = ClientError::bad_request("no");
-        assert_eq!(openai.body_for(Some(Api::ChatCompletions)), openai.to_json());
+        assert_eq!(
+            openai.body_for(Some(Api::ChatCompletions)),
+            openai.to_json()
+        );
         assert_eq!(openai.body_for(None), openai.to_json());
         let verbatim = ClientError {
             verbatim: Some(b"as written".to_vec()),
