@@ -203,8 +203,9 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     if api == Api::Completions && batches_prompts(&object) {
         return Err(ClientError::bad_request(
             "a list of several prompts cannot be served through prefill/decode \
-             disaggregation: vLLM's prefill answers with the KV of the first prompt only, \
-             and decode would run every prompt on it; send one prompt per request",
+             disaggregation: vLLM's prefill hands over the KV of the first prompt only, so \
+             the others' KV would wait on prefill until vLLM's timeout; send one prompt per \
+             request",
         ));
     }
     if api == Api::Completions && echoes_prompt_logprobs(&object) {
