@@ -268,6 +268,23 @@ fn events(stream: &str) -> Vec<Value> {
         .collect()
 }
 
+/// Sends `request` and checks the two legs every orchestrated request has: a 200 on KV
+/// decode reused, prefill asked for one unstreamed answer for remote decode. Returns the
+/// reply and the bodies prefill and decode got.
+async fn served_on_prefills_kv(request: Request, id: &str, case: &str) -> (Reply, Value, Value) {
+    let h = harness();
+    let reply = request.id(id).send().await;
+    assert_eq!(reply.status, 200, "{case}: {}", reply.body);
+    assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+    let prefill = h.only_prefill(id).json();
+    assert_eq!(prefill["stream"], false, "{case}: {prefill}");
+    assert_eq!(
+        prefill["kv_transfer_params"]["do_remote_decode"], true,
+        "{case}"
+    );
+    (reply, prefill, h.only_decode(id).json())
+}
+
 #[tokio::test]
 async fn vllms_messages_api_runs_prefill_then_decode_and_counts_like_one_vllm() {
     let h = harness();
@@ -276,26 +293,18 @@ async fn vllms_messages_api_runs_prefill_then_decode_and_counts_like_one_vllm() 
         let text = format!("tell me about messages mock:prefill_cached_tokens={PREFILL_CACHED}");
         let sent = json!({"model": "m", "max_tokens": 5, "stream": stream,
                           "messages": [{"role": "user", "content": text}]});
-        let reply = Request::post("default", "/v1/messages")
-            .id(&id)
-            .header("x-api-key", "sk-client")
-            .body(sent.to_string())
-            .send()
-            .await;
         let case = format!("stream={stream}");
-        assert_eq!(reply.status, 200, "{case}: {}", reply.body);
-        assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+        let request = Request::post("default", "/v1/messages")
+            .header("x-api-key", "sk-client")
+            .body(sent.to_string());
+        let (reply, prefill, decode) = served_on_prefills_kv(request, &id, &case).await;
         // Anthropic-style clients send their key in x-api-key: prefill gets it too.
         assert_eq!(
             h.only_prefill(&id).header("x-api-key"),
             Some("sk-client"),
             "{case}"
         );
-        let prefill = h.only_prefill(&id).json();
         assert_eq!(prefill["max_tokens"], 1, "{case}: {prefill}");
-        assert_eq!(prefill["stream"], false, "{case}");
-        assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
-        let decode = h.only_decode(&id).json();
         assert_eq!(decode["max_tokens"], 5, "{case}");
         assert_eq!(decode["stream"], stream, "{case}");
         assert_eq!(decode["messages"], sent["messages"], "{case}");
@@ -331,30 +340,20 @@ async fn vllms_messages_api_runs_prefill_then_decode_and_counts_like_one_vllm() 
 
 #[tokio::test]
 async fn vllms_tokens_in_api_is_capped_in_sampling_params_and_runs_prefill_then_decode() {
-    let h = harness();
     for stream in [false, true] {
         let id = unique_id("generate");
         let sent = json!({"token_ids": [101, 102, 103],
                           "sampling_params": {"max_tokens": 5, "min_tokens": 3, "temperature": 0},
                           "max_tokens": 99, "stream": stream});
-        let reply = Request::post("default", "/inference/v1/generate")
-            .id(&id)
-            .body(sent.to_string())
-            .send()
-            .await;
         let case = format!("stream={stream}");
-        assert_eq!(reply.status, 200, "{case}: {}", reply.body);
-        assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
-        let prefill = h.only_prefill(&id).json();
+        let request = Request::post("default", "/inference/v1/generate").body(sent.to_string());
+        let (reply, prefill, decode) = served_on_prefills_kv(request, &id, &case).await;
         assert_eq!(
             prefill["sampling_params"],
             json!({"max_tokens": 1, "temperature": 0}),
             "{case}"
         );
         assert_eq!(prefill["max_tokens"], 99, "{case}: not this API's limit");
-        assert_eq!(prefill["stream"], false, "{case}");
-        assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
-        let decode = h.only_decode(&id).json();
         assert_eq!(decode["sampling_params"], sent["sampling_params"], "{case}");
         assert_eq!(decode["stream"], stream, "{case}");
 
