@@ -245,6 +245,19 @@ async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
 }
 
 #[tokio::test]
+async fn decode_that_is_not_serving_strands_no_kv() {
+    let _serial = SERIAL.lock().await;
+    let id = unique_id("decode-503");
+    // vLLM answers 503 only when it is not serving (scaling, shutting down), before its
+    // engine reads any KV.
+    let reply = post("default", &id, "not serving mock:decode_status=503")
+        .send()
+        .await;
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_released_once(&id).await;
+}
+
+#[tokio::test]
 async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
     let _serial = SERIAL.lock().await;
     let h = harness();

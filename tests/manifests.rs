@@ -1034,6 +1034,20 @@ fn hardening_errors(config: &Value) -> Vec<String> {
         .into_iter()
         .flatten()
         .collect();
+    // vLLM's server (uvicorn) closes a connection idle for 5 s: Envoy must let go of it first,
+    // or a request written on a connection being closed is lost (a 503, and prefill's KV
+    // stranded).
+    for cluster in &clusters {
+        let idle = &cluster["typed_extension_protocol_options"]
+            ["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+            ["common_http_protocol_options"]["idle_timeout"];
+        if !seconds(idle).is_some_and(|idle| idle > 0.0 && idle < 5.0) {
+            errors.push(format!(
+                "cluster {}: idle_timeout {idle}, not below vLLM's 5 s keep-alive",
+                cluster["name"]
+            ));
+        }
+    }
     let managers = http_connection_managers(config);
     if managers.is_empty() {
         errors.push("no HTTP connection manager".to_owned());
@@ -1408,6 +1422,16 @@ fn weakened_envoy_configs_are_caught() {
             |c| {
                 let wasm = &mut first_hcm(c)["http_filters"][0]["typed_config"]["config"];
                 wasm["configuration"]["value"] = json!(r#"{"prefill_host_cluster":"picked"}"#);
+            },
+        ),
+        (
+            "upstream connections kept past vLLM's keep-alive",
+            "keep-alive",
+            |c| {
+                c["static_resources"]["clusters"][1]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("typed_extension_protocol_options");
             },
         ),
         ("an allow-list with loopback", "allows loopback", |c| {

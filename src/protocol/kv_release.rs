@@ -20,13 +20,14 @@ pub fn decode_never_read(code_details: &str) -> bool {
     code_details != "via_upstream" && NEVER_SENT.iter().any(|what| code_details.contains(what))
 }
 
-/// Whether decode itself refused the request (a 4xx of its own): vLLM checks a request in
-/// its API server, before the engine that would read prefill's KV ever sees it. A body that
-/// prefill served one capped token of can still fail decode's checks (`min_tokens` above a
-/// small `max_tokens`, a limit past the context), and its KV would wait for prefill's
-/// timeout.
+/// Whether decode itself refused the request: a 4xx of its own, or a 503. vLLM checks a
+/// request in its API server, before the engine that would read prefill's KV ever sees it. A
+/// body that prefill served one capped token of can still fail decode's checks (`min_tokens`
+/// above a small `max_tokens`, a limit past the context), and its KV would wait for
+/// prefill's timeout. vLLM answers 503 only when it is not serving (scaling, shutting down),
+/// also before its engine.
 pub fn decode_refused(status: Option<u16>, code_details: Option<&str>) -> bool {
-    status.is_some_and(|status| (400..500).contains(&status))
+    status.is_some_and(|status| (400..500).contains(&status) || status == 503)
         && code_details == Some("via_upstream")
 }
 
@@ -91,7 +92,10 @@ mod tests {
     fn a_4xx_decode_wrote_itself_left_the_kv_unread() {
         assert!(decode_refused(Some(400), Some("via_upstream")));
         assert!(decode_refused(Some(415), Some("via_upstream")));
-        // Envoy's own 4xx, an answer without details, a success or a 5xx: not decode's refusal.
+        assert!(decode_refused(Some(503), Some("via_upstream")));
+        // Envoy's own 4xx or 503, an answer without details, a success or another 5xx: not
+        // decode's refusal.
+        assert!(!decode_refused(Some(503), Some("no_healthy_upstream")));
         assert!(!decode_refused(
             Some(413),
             Some("request_payload_too_large")
