@@ -418,6 +418,11 @@ impl Session {
         }
         // The decode body differs from the client's: let Envoy frame it.
         commands.push(Command::RemoveRequestHeader("content-length".to_owned()));
+        // Decode's answer may get prefill's usage and prompt logprobs, which a compressed
+        // answer could not: decode answers plain, as vLLM does unless set up to compress.
+        if headers.value("accept-encoding").is_some() {
+            commands.push(Command::RemoveRequestHeader("accept-encoding".to_owned()));
+        }
         // vLLM refuses any media type but exactly `application/json` (a missing one too),
         // where the filter also takes `+json` types and no content-type at all: decode would
         // refuse, after prefill's work, a request prefill (called with `application/json`)

@@ -180,6 +180,22 @@ async fn a_required_tool_choice_reaches_prefill_as_the_first_tool_by_name() {
     assert_eq!(h.only_decode(&id).json()["tool_choice"], "required");
 }
 
+/// Decode's answer gets prefill's usage and prompt logprobs, which a compressed answer could
+/// not: decode is never asked to compress.
+#[tokio::test]
+async fn decode_is_not_asked_for_a_compressed_answer() {
+    let h = harness();
+    let id = unique_id("accept-encoding");
+    let reply = Request::post("default", COMPLETIONS)
+        .id(&id)
+        .header("accept-encoding", "gzip, br")
+        .body(r#"{"prompt":"plain please","max_tokens":3}"#)
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(h.only_decode(&id).header("accept-encoding"), None);
+}
+
 #[tokio::test]
 async fn n_is_one_on_prefill_and_the_clients_on_decode() {
     let h = harness();
