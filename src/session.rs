@@ -1030,7 +1030,9 @@ impl Session {
                 headers_held = *held;
                 // Read once, whole: what comes after (the stream's end) goes on as it is.
                 *answer = AnswerRewrite::Untouched;
-                let merged = prompt_usage.and_then(|(api, prompt)| merge_answer(api, body, prompt));
+                let merged = prompt_usage
+                    .as_ref()
+                    .and_then(|(api, prompt)| merge_answer(*api, body, prompt));
                 let current = merged.as_deref().unwrap_or(body);
                 prompt_logprobs
                     .as_ref()
@@ -1040,7 +1042,8 @@ impl Session {
                     .or(merged)
             }
             AnswerRewrite::Events(events) => prompt_usage
-                .and_then(|(api, prompt)| events.on_chunk(api, prompt, body, end_of_stream)),
+                .as_ref()
+                .and_then(|(api, prompt)| events.on_chunk(*api, prompt, body, end_of_stream)),
         };
         // Envoy's buffer holds at least `max_request_body_bytes` (documented); a larger
         // answer would make Envoy answer on its own from inside this callback. Such an answer

@@ -131,7 +131,7 @@ fn usage_timing(target: &str) {
                 black_box(merge_answer(
                     Api::ChatCompletions,
                     black_box(answer),
-                    prompt,
+                    &prompt,
                 ));
             }),
         ),
@@ -140,7 +140,12 @@ fn usage_timing(target: &str) {
             &stream,
             Box::new(|| {
                 let mut events = EventStream::default();
-                black_box(events.on_chunk(Api::ChatCompletions, prompt, black_box(&stream), false));
+                black_box(events.on_chunk(
+                    Api::ChatCompletions,
+                    &prompt,
+                    black_box(&stream),
+                    false,
+                ));
             }),
         ),
     ];

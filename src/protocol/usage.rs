@@ -1,16 +1,18 @@
 //! Usage as one vLLM would count it. Decode counts the KV it pulled from prefill as a
 //! prefix-cache hit, so its `cached_tokens` is about its whole prompt on every request; the
 //! prompt was computed by prefill, whose counts are the true ones. The answer keeps decode's
-//! output counts and takes prefill's prompt counts, totals recomputed.
+//! output counts and takes the prompt's side from prefill as prefill wrote it (the count,
+//! its details: cache hits, cache writes, per-modality counts), totals recomputed.
 
 use crate::api::Api;
 use crate::json::{Edit, JsonObject};
 
 /// What prefill counted for the prompt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PromptUsage {
     pub prompt_tokens: u64,
-    pub cached_tokens: Option<u64>,
+    /// Prefill's other members of the prompt's side of its usage, as it wrote them.
+    members: Vec<(&'static str, Vec<u8>)>,
 }
 
 /// Where an API keeps the counts in its usage object.
@@ -18,15 +20,11 @@ struct Fields {
     prompt: &'static str,
     output: &'static str,
     total: Option<&'static str>,
-    cached: Cached,
-}
-
-/// Where the prompt's prefix-cache hits are counted.
-enum Cached {
-    /// `cached_tokens` in this details object.
-    InDetails(&'static str),
-    /// This member of the usage object itself.
-    Member(&'static str),
+    /// The other members about the prompt, which prefill counts.
+    prompt_side: &'static [&'static str],
+    /// The details object among them, whose `cached_tokens` decode would otherwise report
+    /// alone.
+    details: Option<&'static str>,
 }
 
 /// The usage fields of an API.
@@ -37,19 +35,23 @@ fn fields(api: Api) -> Fields {
             prompt: "prompt_tokens",
             output: "completion_tokens",
             total: Some("total_tokens"),
-            cached: Cached::InDetails("prompt_tokens_details"),
+            prompt_side: &["prompt_tokens_details"],
+            details: Some("prompt_tokens_details"),
         },
         Api::Responses => Fields {
             prompt: "input_tokens",
             output: "output_tokens",
             total: Some("total_tokens"),
-            cached: Cached::InDetails("input_tokens_details"),
+            prompt_side: &["input_tokens_details"],
+            details: Some("input_tokens_details"),
         },
+        // vLLM's input_tokens leave out cache reads and writes, which count on their own.
         Api::Messages => Fields {
             prompt: "input_tokens",
             output: "output_tokens",
             total: None,
-            cached: Cached::Member("cache_read_input_tokens"),
+            prompt_side: &["cache_read_input_tokens", "cache_creation_input_tokens"],
+            details: None,
         },
     }
 }
@@ -59,55 +61,49 @@ pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
     let fields = fields(api);
     let answer = JsonObject::parse(prefill_answer).ok()?;
     let usage = JsonObject::parse(answer.last_value("usage")?).ok()?;
-    let cached_tokens = match fields.cached {
-        Cached::InDetails(details) => usage
-            .last_value(details)
-            .and_then(|details| JsonObject::parse(details).ok())
-            .and_then(|details| as_count(details.last_value("cached_tokens")?)),
-        Cached::Member(member) => usage.last_value(member).and_then(as_count),
-    };
+    let members = fields
+        .prompt_side
+        .iter()
+        .filter_map(|&key| {
+            let value = usage.last_value(key).filter(|value| *value != b"null")?;
+            Some((key, value.to_vec()))
+        })
+        .collect();
     Some(PromptUsage {
         prompt_tokens: as_count(usage.last_value(fields.prompt)?)?,
-        cached_tokens,
+        members,
     })
 }
 
 /// A usage object with prefill's prompt counts; `None` when it is not one to change. Members
 /// keep their order and spelling; only the counts change (or are added where missing).
-fn merged_usage(api: Api, usage: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
+fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
     let fields = fields(api);
     let object = JsonObject::parse(usage).ok()?;
     let output = as_count(object.last_value(fields.output)?)?;
     let prompt_tokens = prompt.prompt_tokens.to_string();
     let total = prompt.prompt_tokens.saturating_add(output).to_string();
-    let cached = prompt.cached_tokens.map(|cached| cached.to_string());
     let mut values: Vec<(&str, &[u8])> = vec![(fields.prompt, prompt_tokens.as_bytes())];
     if let Some(name) = fields.total {
         values.push((name, total.as_bytes()));
     }
-    let details;
-    match fields.cached {
-        Cached::InDetails(name) => {
-            let decodes = object
-                .last_value(name)
-                .filter(|details| details.starts_with(b"{"));
-            // Neither leg reports details (vLLM's default): the answer has none either.
-            if decodes.is_some() || cached.is_some() {
-                let cached = cached.as_deref().unwrap_or("0");
-                details = match decodes {
-                    Some(details) => {
-                        let details_object = JsonObject::parse(details).ok()?;
-                        with_values(&details_object, &[("cached_tokens", cached.as_bytes())])
-                    }
-                    None => format!("{{\"cached_tokens\":{cached}}}").into_bytes(),
-                };
-                values.push((name, &details));
-            }
-        }
-        Cached::Member(name) => {
-            if let Some(cached) = &cached {
-                values.push((name, cached.as_bytes()));
-            }
+    values.extend(
+        prompt
+            .members
+            .iter()
+            .map(|(key, value)| (*key, value.as_slice())),
+    );
+    // Prefill reports no details but decode does: decode's cache hits are prefill's KV.
+    let details_without_hits;
+    if let Some(name) = fields.details {
+        let prefills = prompt.members.iter().any(|(key, _)| *key == name);
+        let decodes = object
+            .last_value(name)
+            .filter(|details| details.starts_with(b"{"));
+        if let (false, Some(details)) = (prefills, decodes) {
+            let details_object = JsonObject::parse(details).ok()?;
+            details_without_hits = with_values(&details_object, &[("cached_tokens", b"0")]);
+            values.push((name, &details_without_hits));
         }
     }
     Some(with_values(&object, &values))
@@ -175,14 +171,14 @@ fn replace_member(
 
 /// Decode's non-streamed answer with prefill's prompt counts; `None` when there is nothing
 /// to change (no usage), and the answer goes as it is.
-pub fn merge_answer(api: Api, answer: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
+pub fn merge_answer(api: Api, answer: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
     replace_member(answer, "usage", |usage| merged_usage(api, usage, prompt))
 }
 
 /// One server-sent event (without its blank line) with prefill's prompt counts, where it
 /// carries usage: the usage chunk of completions and chat, the final `response.completed`
 /// event of responses. `None` for every other event.
-pub fn merge_event(api: Api, event: &[u8], prompt: PromptUsage) -> Option<Vec<u8>> {
+pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
     if !contains(event, usage_marker(api)) {
         return None;
     }
@@ -257,7 +253,7 @@ impl EventStream {
     pub fn on_chunk(
         &mut self,
         api: Api,
-        prompt: PromptUsage,
+        prompt: &PromptUsage,
         chunk: &[u8],
         end_of_stream: bool,
     ) -> Option<Vec<u8>> {
@@ -292,7 +288,7 @@ const EVENT_END: &[u8] = b"\n\n";
 
 /// Complete events with prefill's prompt counts where they carry usage; `None` when none
 /// does. Only the events around a usage marker are looked at, found by a fast search.
-fn merge_events(api: Api, prompt: PromptUsage, complete: &[u8]) -> Option<Vec<u8>> {
+fn merge_events(api: Api, prompt: &PromptUsage, complete: &[u8]) -> Option<Vec<u8>> {
     let marker = usage_marker(api);
     let mut out: Option<Vec<u8>> = None;
     let mut cursor = 0;
@@ -326,10 +322,19 @@ mod tests {
     use super::*;
     use serde_json::{json, Value};
 
-    const PROMPT: PromptUsage = PromptUsage {
-        prompt_tokens: 7,
-        cached_tokens: Some(2),
-    };
+    /// Prefill's count of a 7-token prompt with 2 tokens from its prefix cache, per API.
+    fn prefill(api: Api) -> PromptUsage {
+        let answer: &[u8] = match api {
+            Api::Completions | Api::ChatCompletions | Api::Generate => {
+                br#"{"usage":{"prompt_tokens":7,"completion_tokens":1,"total_tokens":8,"prompt_tokens_details":{"cached_tokens":2}}}"#
+            }
+            Api::Responses => {
+                br#"{"usage":{"input_tokens":7,"output_tokens":1,"input_tokens_details":{"cached_tokens":2}}}"#
+            }
+            Api::Messages => br#"{"usage":{"input_tokens":7,"output_tokens":1,"cache_read_input_tokens":2}}"#,
+        };
+        prompt_usage(api, answer).unwrap()
+    }
 
     fn value(bytes: &[u8]) -> Value {
         serde_json::from_slice(bytes).unwrap()
@@ -338,15 +343,21 @@ mod tests {
     #[test]
     fn prefills_prompt_counts_are_read_per_api() {
         let chat = br#"{"usage":{"prompt_tokens":7,"completion_tokens":1,"total_tokens":8,"prompt_tokens_details":{"cached_tokens":2}}}"#;
-        assert_eq!(prompt_usage(Api::ChatCompletions, chat), Some(PROMPT));
+        assert_eq!(
+            prompt_usage(Api::ChatCompletions, chat),
+            Some(prefill(Api::ChatCompletions))
+        );
         let responses = br#"{"usage":{"input_tokens":7,"output_tokens":1,"input_tokens_details":{"cached_tokens":2}}}"#;
-        assert_eq!(prompt_usage(Api::Responses, responses), Some(PROMPT));
+        assert_eq!(
+            prompt_usage(Api::Responses, responses),
+            Some(prefill(Api::Responses))
+        );
         let bare = br#"{"usage":{"prompt_tokens":7}}"#;
         assert_eq!(
             prompt_usage(Api::Completions, bare),
             Some(PromptUsage {
                 prompt_tokens: 7,
-                cached_tokens: None
+                members: vec![]
             })
         );
         assert_eq!(prompt_usage(Api::Completions, b"{}"), None);
@@ -356,7 +367,8 @@ mod tests {
     #[test]
     fn a_non_streamed_answer_gets_prefills_prompt_and_decodes_output() {
         let answer = br#"{"id":"x","choices":[{"text":"hi"}],"usage":{"prompt_tokens":7,"completion_tokens":5,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":7}}}"#;
-        let merged = value(&merge_answer(Api::Completions, answer, PROMPT).unwrap());
+        let merged =
+            value(&merge_answer(Api::Completions, answer, &prefill(Api::Completions)).unwrap());
         assert_eq!(
             merged["usage"],
             json!({"prompt_tokens":7,"completion_tokens":5,"total_tokens":12,
@@ -366,37 +378,48 @@ mod tests {
 
         let responses =
             br#"{"id":"r","usage":{"input_tokens":9,"output_tokens":3,"total_tokens":12}}"#;
-        let merged = value(&merge_answer(Api::Responses, responses, PROMPT).unwrap());
+        let merged =
+            value(&merge_answer(Api::Responses, responses, &prefill(Api::Responses)).unwrap());
         assert_eq!(
             merged["usage"],
             json!({"input_tokens":7,"output_tokens":3,"total_tokens":10,
                    "input_tokens_details":{"cached_tokens":2}})
         );
         assert_eq!(
-            merge_answer(Api::Completions, br#"{"id":"x"}"#, PROMPT),
+            merge_answer(
+                Api::Completions,
+                br#"{"id":"x"}"#,
+                &prefill(Api::Completions)
+            ),
             None
         );
-        assert_eq!(merge_answer(Api::Completions, b"not json", PROMPT), None);
+        assert_eq!(
+            merge_answer(Api::Completions, b"not json", &prefill(Api::Completions)),
+            None
+        );
     }
 
     #[test]
     fn the_usage_keeps_its_order_and_every_other_member() {
         let answer = br#"{"usage":{"prompt_tokens":7,"total_tokens":12,"completion_tokens":5,"prompt_tokens_details":{"audio_tokens":0,"cached_tokens":7},"extra":[1]}}"#;
-        let merged = merge_answer(Api::Completions, answer, PROMPT).unwrap();
+        let merged = merge_answer(Api::Completions, answer, &prefill(Api::Completions)).unwrap();
         assert_eq!(
             std::str::from_utf8(&merged).unwrap(),
-            r#"{"usage":{"prompt_tokens":7,"total_tokens":12,"completion_tokens":5,"prompt_tokens_details":{"audio_tokens":0,"cached_tokens":2},"extra":[1]}}"#
+            r#"{"usage":{"prompt_tokens":7,"total_tokens":12,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":2},"extra":[1]}}"#
         );
         // Missing counts are added; a null details object becomes one.
         let sparse = br#"{"usage":{ "completion_tokens" : 5 , "prompt_tokens_details":null }}"#;
-        let merged = value(&merge_answer(Api::Completions, sparse, PROMPT).unwrap());
+        let merged =
+            value(&merge_answer(Api::Completions, sparse, &prefill(Api::Completions)).unwrap());
         assert_eq!(
             merged["usage"],
             json!({"prompt_tokens":7,"completion_tokens":5,"total_tokens":12,
                    "prompt_tokens_details":{"cached_tokens":2}})
         );
         let empty_details = br#"{"usage":{"completion_tokens":1,"prompt_tokens_details":{ }}}"#;
-        let merged = value(&merge_answer(Api::Completions, empty_details, PROMPT).unwrap());
+        let merged = value(
+            &merge_answer(Api::Completions, empty_details, &prefill(Api::Completions)).unwrap(),
+        );
         assert_eq!(
             merged["usage"]["prompt_tokens_details"],
             json!({"cached_tokens":2})
@@ -407,23 +430,74 @@ mod tests {
             br#"{"usage":{"completion_tokens":1.5}}"#,
             br#"{"usage":{"completion_tokens":-1}}"#,
         ] {
-            assert_eq!(merge_answer(Api::Completions, odd, PROMPT), None);
+            assert_eq!(
+                merge_answer(Api::Completions, odd, &prefill(Api::Completions)),
+                None
+            );
         }
     }
 
     #[test]
+    fn the_prompts_side_is_prefills_as_written_and_decodes_hits_are_dropped() {
+        // vLLM 0.33 reports cache writes too; prefill wrote the prompt's KV, decode read it.
+        let prefill_answer = br#"{"usage":{"prompt_tokens":12,"completion_tokens":1,"total_tokens":13,"prompt_tokens_details":{"cached_tokens":2,"created_cache_tokens":6,"multimodal_tokens":{"image":4}}}}"#;
+        let prompt = prompt_usage(Api::ChatCompletions, prefill_answer).unwrap();
+        let answer = br#"{"usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{"cached_tokens":11,"created_cache_tokens":0,"multimodal_tokens":{"image":4}}}}"#;
+        let merged = value(&merge_answer(Api::ChatCompletions, answer, &prompt).unwrap());
+        assert_eq!(
+            merged["usage"]["prompt_tokens_details"],
+            json!({"cached_tokens":2,"created_cache_tokens":6,"multimodal_tokens":{"image":4}})
+        );
+        let prefill_answer = br#"{"usage":{"input_tokens":4,"output_tokens":1,"cache_read_input_tokens":2,"cache_creation_input_tokens":6}}"#;
+        let prompt = prompt_usage(Api::Messages, prefill_answer).unwrap();
+        let answer = br#"{"usage":{"input_tokens":1,"output_tokens":5,"cache_read_input_tokens":11,"cache_creation_input_tokens":0}}"#;
+        assert_eq!(
+            value(&merge_answer(Api::Messages, answer, &prompt).unwrap())["usage"],
+            json!({"input_tokens":4,"output_tokens":5,"cache_read_input_tokens":2,
+                   "cache_creation_input_tokens":6})
+        );
+        let prefill_answer = br#"{"usage":{"input_tokens":12,"output_tokens":1,"total_tokens":13,"input_tokens_details":{"cached_tokens":2,"cache_write_tokens":6,"input_tokens_per_turn":[12],"cached_tokens_per_turn":[2]}}}"#;
+        let prompt = prompt_usage(Api::Responses, prefill_answer).unwrap();
+        let answer = br#"{"usage":{"input_tokens":12,"output_tokens":5,"total_tokens":17,"input_tokens_details":{"cached_tokens":11,"cache_write_tokens":0,"input_tokens_per_turn":[12],"cached_tokens_per_turn":[11]}}}"#;
+        assert_eq!(
+            value(&merge_answer(Api::Responses, answer, &prompt).unwrap())["usage"],
+            json!({"input_tokens":12,"output_tokens":5,"total_tokens":17,
+                   "input_tokens_details":{"cached_tokens":2,"cache_write_tokens":6,
+                                           "input_tokens_per_turn":[12],"cached_tokens_per_turn":[2]}})
+        );
+        // Prefill reports no details, decode does: decode's hits were prefill's KV.
+        let prompt =
+            prompt_usage(Api::ChatCompletions, br#"{"usage":{"prompt_tokens":12}}"#).unwrap();
+        let merged =
+            value(&merge_answer(Api::ChatCompletions, answer_with_hits(), &prompt).unwrap());
+        assert_eq!(
+            merged["usage"]["prompt_tokens_details"],
+            json!({"audio_tokens":0,"cached_tokens":0})
+        );
+    }
+
+    fn answer_with_hits() -> &'static [u8] {
+        br#"{"usage":{"prompt_tokens":12,"completion_tokens":5,"prompt_tokens_details":{"audio_tokens":0,"cached_tokens":12}}}"#
+    }
+
+    #[test]
     fn messages_count_the_prompt_in_input_tokens_and_cache_reads() {
-        let prefill =
+        let answer =
             br#"{"usage":{"input_tokens":7,"output_tokens":1,"cache_read_input_tokens":2}}"#;
-        assert_eq!(prompt_usage(Api::Messages, prefill), Some(PROMPT));
+        assert_eq!(
+            prompt_usage(Api::Messages, answer),
+            Some(prefill(Api::Messages))
+        );
         let answer = br#"{"id":"msg_1","usage":{"input_tokens":7,"output_tokens":5,"cache_read_input_tokens":7}}"#;
         assert_eq!(
-            value(&merge_answer(Api::Messages, answer, PROMPT).unwrap())["usage"],
+            value(&merge_answer(Api::Messages, answer, &prefill(Api::Messages)).unwrap())["usage"],
             json!({"input_tokens":7,"output_tokens":5,"cache_read_input_tokens":2})
         );
         let start = br#"event: message_start
 data: {"type":"message_start","message":{"id":"msg_1","content":[],"usage":{"input_tokens":7,"output_tokens":0,"cache_read_input_tokens":7}}}"#;
-        let merged = String::from_utf8(merge_event(Api::Messages, start, PROMPT).unwrap()).unwrap();
+        let merged =
+            String::from_utf8(merge_event(Api::Messages, start, &prefill(Api::Messages)).unwrap())
+                .unwrap();
         let (head, data) = merged.split_once("data: ").unwrap();
         assert_eq!(head, "event: message_start\n");
         assert_eq!(
@@ -432,24 +506,33 @@ data: {"type":"message_start","message":{"id":"msg_1","content":[],"usage":{"inp
         );
         let delta = br#"event: message_delta
 data: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"input_tokens":7,"output_tokens":5,"cache_read_input_tokens":7}}"#;
-        let merged = String::from_utf8(merge_event(Api::Messages, delta, PROMPT).unwrap()).unwrap();
+        let merged =
+            String::from_utf8(merge_event(Api::Messages, delta, &prefill(Api::Messages)).unwrap())
+                .unwrap();
         assert!(
             merged.contains(r#""cache_read_input_tokens":2"#),
             "{merged}"
         );
         let text = br#"event: content_block_delta
 data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"usage"}}"#;
-        assert_eq!(merge_event(Api::Messages, text, PROMPT), None);
+        assert_eq!(
+            merge_event(Api::Messages, text, &prefill(Api::Messages)),
+            None
+        );
         // The tokens-in API counts usage (in newer vLLM releases) as completions do.
         let generate = br#"{"usage":{"prompt_tokens":7,"completion_tokens":1,"total_tokens":8,"prompt_tokens_details":{"cached_tokens":2}}}"#;
-        assert_eq!(prompt_usage(Api::Generate, generate), Some(PROMPT));
+        assert_eq!(
+            prompt_usage(Api::Generate, generate),
+            Some(prefill(Api::Generate))
+        );
         assert_eq!(prompt_usage(Api::Generate, br#"{"choices":[]}"#), None);
     }
 
     #[test]
     fn only_usage_events_change() {
         let usage = br#"data: {"id":"c","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":4,"total_tokens":11,"prompt_tokens_details":{"cached_tokens":7}}}"#;
-        let merged = merge_event(Api::ChatCompletions, usage, PROMPT).unwrap();
+        let merged =
+            merge_event(Api::ChatCompletions, usage, &prefill(Api::ChatCompletions)).unwrap();
         let data = value(merged.strip_prefix(b"data: ").unwrap());
         assert_eq!(data["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
         assert_eq!(data["usage"]["total_tokens"], 11);
@@ -458,11 +541,14 @@ data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"usage"}
             b"data: [DONE]",
             br#"data: {"choices":[],"usage":null}"#,
         ] {
-            assert_eq!(merge_event(Api::ChatCompletions, other, PROMPT), None);
+            assert_eq!(
+                merge_event(Api::ChatCompletions, other, &prefill(Api::ChatCompletions)),
+                None
+            );
         }
         let completed = br#"event: response.completed
 data: {"type":"response.completed","response":{"id":"r","usage":{"input_tokens":7,"output_tokens":2,"total_tokens":9}}}"#;
-        let merged = merge_event(Api::Responses, completed, PROMPT).unwrap();
+        let merged = merge_event(Api::Responses, completed, &prefill(Api::Responses)).unwrap();
         let text = String::from_utf8(merged).unwrap();
         let (head, data) = text.split_once("data: ").unwrap();
         assert_eq!(head, "event: response.completed\n");
@@ -483,15 +569,26 @@ data: {"type":"response.completed","response":{"id":"r","usage":{"input_tokens":
         let done = "data: [DONE]\n\n";
         let mut stream = EventStream::default();
         let api = Api::ChatCompletions;
-        assert_eq!(stream.on_chunk(api, PROMPT, token.as_bytes(), false), None);
+        assert_eq!(
+            stream.on_chunk(api, &prefill(api), token.as_bytes(), false),
+            None
+        );
         let merged = stream
-            .on_chunk(api, PROMPT, format!("{token}{usage}").as_bytes(), false)
+            .on_chunk(
+                api,
+                &prefill(api),
+                format!("{token}{usage}").as_bytes(),
+                false,
+            )
             .unwrap();
         let text = String::from_utf8(merged).unwrap();
         assert!(text.starts_with(token));
         assert!(text.contains("\"cached_tokens\":2"));
         assert!(text.ends_with("\n\n"));
-        assert_eq!(stream.on_chunk(api, PROMPT, done.as_bytes(), true), None);
+        assert_eq!(
+            stream.on_chunk(api, &prefill(api), done.as_bytes(), true),
+            None
+        );
     }
 
     #[test]
@@ -503,7 +600,7 @@ data: {"type":"response.completed","response":{"id":"r","usage":{"input_tokens":
             let (first, second) = whole.as_bytes().split_at(cut);
             let mut out = Vec::new();
             for (chunk, end) in [(first, false), (second, true)] {
-                match stream.on_chunk(api, PROMPT, chunk, end) {
+                match stream.on_chunk(api, &prefill(api), chunk, end) {
                     Some(bytes) => out.extend_from_slice(&bytes),
                     None => out.extend_from_slice(chunk),
                 }
