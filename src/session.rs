@@ -25,7 +25,6 @@ use crate::protocol::{
     DecodePlan, FailureKind, PrefillAnswer, PrefillFailure,
 };
 use crate::request_id::new_request_id;
-use serde_json::Value;
 
 /// The filter state key of the prefill time in milliseconds: Envoy's access log reads it as
 /// `%FILTER_STATE(wasm.pd_prefill_ms:PLAIN)%`.
@@ -200,7 +199,8 @@ enum State {
         /// A streamed answer carries usage: read its chunks for it.
         stream_usage: bool,
         /// Prefill's prompt logprobs, to put into decode's answer.
-        prompt_logprobs: Option<(Api, Value)>,
+        /// Prefill's prompt logprobs, as it wrote them.
+        prompt_logprobs: Option<(Api, Vec<u8>)>,
         answer: AnswerRewrite,
     },
     /// The filter answered the client.
@@ -655,12 +655,27 @@ impl Session {
                 let reached = prefill.host().filter(|_| config.replace_local_remote_host);
                 let with_host = reached.and_then(|host| with_reachable_remote_host(kv, host.ip()));
                 let kv = with_host.as_deref().unwrap_or(kv);
-                if prefill.decode.len_with_kv(kv.len()) > config.max_request_body_bytes {
-                    // Envoy would refuse to buffer a larger body, answering on its own
-                    // while the filter is still in this callback.
-                    commands.extend(self.reject(&ClientError::decode_body_too_large(
-                        config.max_request_body_bytes,
-                    )));
+                let prompt_logprobs = prefill
+                    .decode
+                    .prompt_logprobs_from_prefill
+                    .then(|| prompt_logprobs::from_prefill_answer(prefill.api, body))
+                    .flatten();
+                let limit = config.max_request_body_bytes;
+                // Envoy would refuse to buffer a larger body, answering on its own while the
+                // filter is still in this callback; prompt logprobs larger than the answers
+                // the filter holds could not go into decode's answer.
+                let refusal = if prefill.decode.len_with_kv(kv.len()) > limit {
+                    Some(ClientError::decode_body_too_large(limit))
+                } else {
+                    prompt_logprobs
+                        .as_ref()
+                        .filter(|logprobs| logprobs.len() > limit)
+                        .map(|logprobs| {
+                            ClientError::prompt_logprobs_too_large(logprobs.len(), limit)
+                        })
+                };
+                if let Some(refusal) = refusal {
+                    commands.extend(self.reject(&refusal));
                     let unread = UnreadKv {
                         api: prefill.api,
                         original: Some(prefill.original),
@@ -689,12 +704,7 @@ impl Session {
                 let prompt_usage = (config.usage == UsagePolicy::Merge)
                     .then(|| prompt_usage(prefill.api, body).map(|usage| (prefill.api, usage)))
                     .flatten();
-                let prompt_logprobs = prefill
-                    .decode
-                    .prompt_logprobs_from_prefill
-                    .then(|| prompt_logprobs::from_prefill_answer(prefill.api, body))
-                    .flatten()
-                    .map(|logprobs| (prefill.api, logprobs));
+                let prompt_logprobs = prompt_logprobs.map(|logprobs| (prefill.api, logprobs));
                 let unread_kv = config.release_kv_on_abandon.then(|| UnreadKv {
                     api: prefill.api,
                     kv_transfer_params: kv.to_vec(),
@@ -744,8 +754,13 @@ impl Session {
             .prefill_timeout
             .checked_sub(prefill.elapsed(now))
             .filter(|left| !left.is_zero());
-        if let Some(budget_left) = budget_left
-            .filter(|_| failure.is_retryable() && prefill.attempt < config.prefill_retries)
+        // An answer with prompt logprobs can be larger than Envoy takes for a call's answer,
+        // which it then resets: another attempt would fail alike, each holding KV on prefill.
+        let oversized_maybe =
+            failure.kind == FailureKind::Reset && prefill.decode.prompt_logprobs_from_prefill;
+        let retry = failure.is_retryable() && !oversized_maybe;
+        if let Some(budget_left) =
+            budget_left.filter(|_| retry && prefill.attempt < config.prefill_retries)
         {
             // The prefill body is rebuilt rather than kept: retries are rare, memory is not.
             if let Ok(prepared) = prepare(prefill.api, &prefill.original) {

@@ -46,6 +46,16 @@ impl ClientError {
         )
     }
 
+    /// Prefill's prompt logprobs (`size` bytes) would make decode's answer larger than the
+    /// answers the filter holds.
+    pub fn prompt_logprobs_too_large(size: usize, limit: usize) -> ClientError {
+        ClientError::bad_request(format!(
+            "the prompt logprobs for this request are {size} bytes, more than this gateway's \
+             limit of {limit} bytes for an answer; ask for fewer prompt_logprobs or a shorter \
+             prompt"
+        ))
+    }
+
     pub fn unsupported_media_type(content_type: &str) -> ClientError {
         let shown: String = content_type.chars().take(64).collect();
         ClientError::new(

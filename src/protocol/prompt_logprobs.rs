@@ -1,76 +1,141 @@
 //! Prompt logprobs are computed where the prompt is computed: on prefill. A decode worker
 //! that pulls the KV never runs the prompt, so the filter asks prefill for them, keeps them
-//! out of decode's request, and puts prefill's into decode's answer.
+//! out of decode's request, and puts prefill's into decode's answer. Both are handled as
+//! text: prefill's logprobs go in byte for byte (no number is read and written again), and
+//! every other byte of decode's answer stays where it was.
 
-use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::api::Api;
+use crate::json::{Edit, JsonObject};
 
-/// Prefill's `prompt_logprobs` from its answer: per choice on completions, top-level on chat.
-pub fn from_prefill_answer(api: Api, answer: &[u8]) -> Option<Value> {
-    let answer: Value = serde_json::from_slice(answer).ok()?;
+const PROMPT_LOGPROBS: &str = "prompt_logprobs";
+
+/// Prefill's `prompt_logprobs` from its answer, as written: per choice on completions,
+/// top-level on chat. `None` when absent or null.
+pub fn from_prefill_answer(api: Api, answer: &[u8]) -> Option<Vec<u8>> {
+    let answer = JsonObject::parse(answer).ok()?;
     let logprobs = match api {
-        Api::ChatCompletions => answer.get("prompt_logprobs")?,
-        Api::Completions => answer.get("choices")?.get(0)?.get("prompt_logprobs")?,
+        Api::ChatCompletions => answer.last_value(PROMPT_LOGPROBS)?,
+        Api::Completions => {
+            let choices = answer.last_value("choices")?;
+            let first = *elements(choices)?.first()?;
+            JsonObject::parse(first).ok()?.last_value(PROMPT_LOGPROBS)?
+        }
         Api::Responses | Api::Messages | Api::Generate => return None,
     };
-    (!logprobs.is_null()).then(|| logprobs.clone())
+    (logprobs != b"null").then(|| logprobs.to_vec())
 }
 
 /// Decode's answer with prefill's `prompt_logprobs` where vLLM puts them: in every choice
 /// on completions (they share the prompt), top-level on chat.
-pub fn into_answer(api: Api, answer: &[u8], logprobs: &Value) -> Option<Vec<u8>> {
-    let mut answer: Value = serde_json::from_slice(answer).ok()?;
+pub fn into_answer(api: Api, answer: &[u8], logprobs: &[u8]) -> Option<Vec<u8>> {
+    let object = JsonObject::parse(answer).ok()?;
     match api {
-        Api::ChatCompletions => {
-            answer
-                .as_object_mut()?
-                .insert("prompt_logprobs".to_owned(), logprobs.clone());
-        }
+        Api::ChatCompletions => Some(with_member(&object, logprobs)),
         Api::Completions => {
-            for choice in answer.get_mut("choices")?.as_array_mut()? {
-                if let Some(choice) = choice.as_object_mut() {
-                    choice.insert("prompt_logprobs".to_owned(), logprobs.clone());
-                }
+            let choices = object.last_value("choices")?;
+            let mut written = Vec::with_capacity(choices.len() + logprobs.len());
+            let mut cursor = 0;
+            for choice in elements(choices)? {
+                let start = offset_in(choices, choice)?;
+                written.extend_from_slice(choices.get(cursor..start)?);
+                written.extend_from_slice(&with_member(&JsonObject::parse(choice).ok()?, logprobs));
+                cursor = start + choice.len();
             }
+            written.extend_from_slice(choices.get(cursor..)?);
+            let splice = object.splice_member("choices", Edit::Slot);
+            Some(splice.write(object.text(), &written))
         }
-        Api::Responses | Api::Messages | Api::Generate => return None,
+        Api::Responses | Api::Messages | Api::Generate => None,
     }
-    serde_json::to_vec(&answer).ok()
+}
+
+/// `object` with `prompt_logprobs` set to `logprobs`: in place of its own, or added.
+fn with_member(object: &JsonObject, logprobs: &[u8]) -> Vec<u8> {
+    let append: &[(&str, Edit)] = if object.has(PROMPT_LOGPROBS) {
+        &[]
+    } else {
+        &[(PROMPT_LOGPROBS, Edit::Slot)]
+    };
+    let edit = |key: &str| {
+        if key == PROMPT_LOGPROBS {
+            Edit::Slot
+        } else {
+            Edit::Keep
+        }
+    };
+    object.splice(edit, append).write(object.text(), logprobs)
+}
+
+/// The elements of a JSON array, each as the slice of `array` it is written in.
+fn elements(array: &[u8]) -> Option<Vec<&[u8]>> {
+    let raw: Vec<&RawValue> = serde_json::from_slice(array).ok()?;
+    Some(
+        raw.into_iter()
+            .map(|value| value.get().as_bytes())
+            .collect(),
+    )
+}
+
+/// Where `part`, a slice of `whole`, starts in it.
+fn offset_in(whole: &[u8], part: &[u8]) -> Option<usize> {
+    let offset = (part.as_ptr() as usize).checked_sub(whole.as_ptr() as usize)?;
+    (offset + part.len() <= whole.len()).then_some(offset)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
+
+    const LOGPROBS: &str =
+        r#"[null, {"5": {"logprob": -1.9106709150239054, "rank": 1}, "3": {"logprob": -2.5}}]"#;
 
     #[test]
     fn prefills_prompt_logprobs_go_where_vllm_puts_them() {
-        let logprobs = json!([null, {"5": {"logprob": -0.5}}]);
-        let completion = json!({"choices": [{"text": "a", "prompt_logprobs": logprobs}]});
-        let found = from_prefill_answer(Api::Completions, completion.to_string().as_bytes());
-        assert_eq!(found, Some(logprobs.clone()));
-        let decode = json!({"choices": [{"text": "x"}, {"text": "y"}]}).to_string();
-        let merged: Value = serde_json::from_slice(
-            &into_answer(Api::Completions, decode.as_bytes(), &logprobs).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(merged["choices"][1]["prompt_logprobs"], logprobs);
-
-        let chat = json!({"choices": [], "prompt_logprobs": logprobs}).to_string();
+        let completion =
+            format!(r#"{{"choices": [{{"text": "a", "prompt_logprobs": {LOGPROBS}}}]}}"#);
+        let found = from_prefill_answer(Api::Completions, completion.as_bytes()).unwrap();
+        assert_eq!(found, LOGPROBS.as_bytes());
+        let decode = r#"{"id":"d","choices":[ {"text":"x","prompt_logprobs":null} ,{"text":"y"}],"usage":{}}"#;
+        let merged = into_answer(Api::Completions, decode.as_bytes(), &found).unwrap();
         assert_eq!(
-            from_prefill_answer(Api::ChatCompletions, chat.as_bytes()),
-            Some(logprobs.clone())
+            String::from_utf8(merged).unwrap(),
+            format!(
+                r#"{{"id":"d","choices":[ {{"text":"x","prompt_logprobs":{LOGPROBS}}} ,{{"text":"y","prompt_logprobs":{LOGPROBS}}}],"usage":{{}}}}"#
+            )
         );
-        let merged: Value = serde_json::from_slice(
-            &into_answer(Api::ChatCompletions, b"{\"choices\":[]}", &logprobs).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(merged["prompt_logprobs"], logprobs);
+
+        let chat = format!(r#"{{"choices": [], "prompt_logprobs": {LOGPROBS}}}"#);
+        let found = from_prefill_answer(Api::ChatCompletions, chat.as_bytes()).unwrap();
+        assert_eq!(found, LOGPROBS.as_bytes());
+        let decode = r#"{"z":1,"a":2,"choices":[],"prompt_logprobs":null,"usage":{}}"#;
+        let merged = into_answer(Api::ChatCompletions, decode.as_bytes(), &found).unwrap();
+        assert_eq!(
+            String::from_utf8(merged).unwrap(),
+            format!(r#"{{"z":1,"a":2,"choices":[],"prompt_logprobs":{LOGPROBS},"usage":{{}}}}"#),
+            "decode's members keep their order, prefill's numbers their digits"
+        );
+        let merged = into_answer(Api::ChatCompletions, b"{\"choices\":[]}", &found).unwrap();
+        let merged: Value = serde_json::from_slice(&merged).unwrap();
+        assert_eq!(merged["prompt_logprobs"][1]["5"]["rank"], json!(1));
+
         assert_eq!(
             from_prefill_answer(Api::Completions, b"{\"choices\":[{}]}"),
             None
         );
+        assert_eq!(
+            from_prefill_answer(
+                Api::Completions,
+                br#"{"choices":[{"prompt_logprobs":null}]}"#
+            ),
+            None
+        );
         assert_eq!(from_prefill_answer(Api::Responses, chat.as_bytes()), None);
+        assert_eq!(
+            into_answer(Api::Completions, b"{\"choices\":7}", &found),
+            None
+        );
     }
 }

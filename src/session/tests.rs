@@ -1425,3 +1425,50 @@ fn decode_is_labelled_application_json_whatever_json_type_the_client_named() {
     let step = session("").on_request_headers(&list, false);
     assert!(step.commands.contains(&set_json));
 }
+
+#[test]
+fn prompt_logprobs_larger_than_an_answer_the_filter_holds_are_refused_before_decode() {
+    let config = r#"{"max_request_body_bytes":600}"#;
+    let body = r#"{"prompt":"x","max_tokens":5,"prompt_logprobs":1}"#;
+    let logprobs = format!("[null,{}]", vec![r#"{"1":{"logprob":-1.5}}"#; 30].join(","));
+    let answer = format!(
+        r#"{{"id":"p","kv_transfer_params":{KV},"choices":[{{"text":"a","prompt_logprobs":{logprobs}}}]}}"#
+    );
+    let mut s = prefilling_body(config, body);
+    let commands = s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+    let (status, error) = reply(&commands);
+    assert_eq!(status, 400);
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("prompt logprobs"),
+        "{error}"
+    );
+    assert!(has_release(&commands), "prefill's KV is released");
+    assert!(!commands.contains(&Command::ResumeRequest));
+    // Within the limit: decode gets the request.
+    let mut s = prefilling_body(r#"{"max_request_body_bytes":8192}"#, body);
+    let commands = s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+    assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
+}
+
+#[test]
+fn a_reset_prefill_call_with_prompt_logprobs_is_not_sent_again() {
+    // Envoy resets a call whose answer is larger than it takes: prompt logprobs can be.
+    let mut s = prefilling_body("", r#"{"prompt":"x","max_tokens":5,"prompt_logprobs":1}"#);
+    let commands = s.on_prefill_answer(1, None, b"", at(5));
+    assert!(
+        !commands
+            .iter()
+            .any(|c| matches!(c, Command::DispatchPrefill(_))),
+        "{commands:?}"
+    );
+    assert_eq!(reply(&commands).0, 502);
+    // Without prompt logprobs, a reset is tried again.
+    let mut s = prefilling_body("", r#"{"prompt":"x","max_tokens":5}"#);
+    let commands = s.on_prefill_answer(1, None, b"", at(5));
+    assert!(commands
+        .iter()
+        .any(|c| matches!(c, Command::DispatchPrefill(_))));
+}
