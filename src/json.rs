@@ -140,18 +140,24 @@ impl<'a> JsonObject<'a> {
     }
 
     /// Whether the last member named `key` reads as true the way a pydantic model reads a
-    /// bool in its default (lax) mode: `true`, the number 1, or a string such as "true",
-    /// "yes", "on", "1" in any case.
+    /// bool in its default (lax) mode: `true`, a number equal to 1 (`1`, `1.0`, `1e0`), or a
+    /// string, escapes decoded, such as "true", "yes", "on", "1" in any case.
     pub fn is_true(&self, key: &str) -> bool {
         let Some(value) = self.last_value(key) else {
             return false;
         };
-        let text = match value {
-            [b'"', inner @ .., b'"'] => inner,
-            other => other,
-        };
-        const TRUE: [&[u8]; 7] = [b"true", b"1", b"1.0", b"yes", b"on", b"t", b"y"];
-        TRUE.iter().any(|word| text.eq_ignore_ascii_case(word))
+        match value.first() {
+            Some(b't') => value == b"true",
+            Some(b'"') => serde_json::from_slice::<String>(value).is_ok_and(|text| {
+                const TRUE: [&str; 6] = ["true", "1", "yes", "on", "t", "y"];
+                let text = text.trim();
+                TRUE.iter().any(|word| text.eq_ignore_ascii_case(word))
+            }),
+            Some(b'-' | b'0'..=b'9') => {
+                serde_json::from_slice::<f64>(value).is_ok_and(|number| number == 1.0)
+            }
+            _ => false,
+        }
     }
 
     /// Byte offset of the opening brace.

@@ -929,7 +929,19 @@ mod tests {
     #[test]
     fn flags_are_read_as_vllm_reads_them() {
         // pydantic's lax bools: a client cannot slip a flag past the filter by its spelling.
-        for spelling in ["true", "1", "\"true\"", "\"Yes\"", "\"on\"", "\"1\""] {
+        for spelling in [
+            "true",
+            "1",
+            "1.0",
+            "1e0",
+            "1.00",
+            "\"true\"",
+            "\"Yes\"",
+            "\"on\"",
+            "\"1\"",
+            "\"\\u0074rue\"",
+            "\"\\u0079es\"",
+        ] {
             let body = format!(r#"{{"prompt":"a","echo":{spelling},"logprobs":1}}"#);
             assert!(
                 prepare(Api::Completions, body.as_bytes()).is_err(),
@@ -941,7 +953,9 @@ mod tests {
                 "{body}"
             );
         }
-        for spelling in ["false", "0", "null", "\"no\"", "\"off\"", "2", "\"\""] {
+        for spelling in [
+            "false", "0", "null", "\"no\"", "\"off\"", "2", "\"\"", "0.5", "[]", "{}",
+        ] {
             let body = format!(r#"{{"prompt":"a","echo":{spelling},"logprobs":1}}"#);
             assert!(prepare(Api::Completions, body.as_bytes()).is_ok(), "{body}");
         }
