@@ -375,25 +375,27 @@ fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
 /// name. vLLM (0.11, for one) reads a non-streamed answer's text under `"required"` as a
 /// whole list of tool calls, which one token never is, and answers 400. A named choice is
 /// taken as it comes. The prompt is the same under either choice (the tools are rendered
-/// alike), and prefill's one token is never used.
+/// alike), and prefill's one token is never used. The name is the client's JSON string as
+/// written (read as Python reads it: the last of duplicate keys); a name longer than any
+/// tool's is left alone, so that prefill's body stays within a constant of the client's.
 fn named_instead_of_required(object: &JsonObject) -> Option<Vec<u8>> {
-    #[derive(serde::Deserialize)]
-    struct Tool {
-        function: Function,
-    }
-    #[derive(serde::Deserialize)]
-    struct Function {
-        name: String,
-    }
+    const LONGEST_NAME: usize = 1024;
     let choice: String = serde_json::from_slice(object.last_value("tool_choice")?).ok()?;
     if choice != "required" {
         return None;
     }
     let tools: Vec<&serde_json::value::RawValue> =
         serde_json::from_slice(object.last_value("tools")?).ok()?;
-    let first: Tool = serde_json::from_str(tools.first()?.get()).ok()?;
-    let named = serde_json::json!({"type": "function", "function": {"name": first.function.name}});
-    Some(named.to_string().into_bytes())
+    let first = JsonObject::parse(tools.first()?.get().as_bytes()).ok()?;
+    let function = JsonObject::parse(first.last_value("function")?).ok()?;
+    let name = function
+        .last_value("name")
+        .filter(|name| name.starts_with(b"\"") && name.len() <= LONGEST_NAME)?;
+    let mut named = Vec::with_capacity(name.len() + 48);
+    named.extend_from_slice(br#"{"type":"function","function":{"name":"#);
+    named.extend_from_slice(name);
+    named.extend_from_slice(b"}}");
+    Some(named)
 }
 
 /// `sampling_params` of the tokens-in API capped to one token: one sequence, no minimum.
@@ -544,7 +546,22 @@ mod tests {
         let decode = prepared.decode.body_with_kv(body.as_bytes(), b"{}");
         let decode: Value = serde_json::from_slice(&decode).unwrap();
         assert_eq!(decode["tool_choice"], "required");
-        // Nothing to name, another choice, or another API: left as sent.
+        // Duplicate keys: the last, as Python reads them.
+        let body = r#"{"messages":[],"tools":[{"function":{"name":"a","name":"b"},"function":{"name":"c","name":"d"}}],"tool_choice":"required"}"#;
+        assert_eq!(
+            prefill_json(Api::ChatCompletions, body)["tool_choice"],
+            json!({"type": "function", "function": {"name": "d"}})
+        );
+        // Nothing to name, a name longer than any tool's, another choice, or another API:
+        // left as sent.
+        let long = format!(
+            r#"{{"messages":[],"tools":[{{"function":{{"name":"{}"}}}}],"tool_choice":"required"}}"#,
+            "n".repeat(2000)
+        );
+        assert_eq!(
+            prefill_json(Api::ChatCompletions, &long)["tool_choice"],
+            "required"
+        );
         for (api, body) in [
             (
                 Api::ChatCompletions,
