@@ -461,21 +461,27 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
                 );
             }
         }
-        Command::ReplaceResponseBody { body, replaced_len } => {
-            if let Err(status) =
-                host::set_buffer(BufferType::HttpResponseBody, 0, replaced_len, &body)
-            {
+        Command::ReplaceResponseBody {
+            body,
+            replaced_len,
+            announce_length,
+        } => {
+            let replaced = host::set_buffer(BufferType::HttpResponseBody, 0, replaced_len, &body);
+            let announced = match replaced {
+                Ok(()) if announce_length => {
+                    let length = body.len().to_string();
+                    host::set_header(
+                        MapType::HttpResponseHeaders,
+                        "content-length",
+                        Some(&length),
+                    )
+                }
+                other => other,
+            };
+            if let Err(status) = announced {
                 log::warn!(
-                    "[{}] set_buffer(HttpResponseBody): {status:?}",
-                    request_id()
-                );
-            }
-        }
-        Command::SetResponseHeader { name, value } => {
-            if let Err(status) = host::set_header(MapType::HttpResponseHeaders, &name, Some(&value))
-            {
-                log::warn!(
-                    "[{}] could not set response header {name}: {status:?}",
+                    "[{}] could not write the answer (its length announced: {announce_length}): \
+                     {status:?}",
                     request_id()
                 );
             }

@@ -77,11 +77,6 @@ pub enum Command {
         name: String,
         value: String,
     },
-    /// Sets a response header (only while the response headers are held or being read).
-    SetResponseHeader {
-        name: String,
-        value: String,
-    },
     /// Sets a value in Envoy's filter state for the request, where access logs read it
     /// (`%FILTER_STATE(wasm.KEY:PLAIN)%`).
     SetFilterState {
@@ -90,10 +85,13 @@ pub enum Command {
     },
     /// Removes a response header (only while the response headers are being read).
     RemoveResponseHeader(String),
-    /// Replaces the response body seen so far, `replaced_len` bytes long.
+    /// Replaces the response body seen so far, `replaced_len` bytes long. `announce_length`:
+    /// the response headers, held for this body, then get its `content-length` (only once
+    /// the body is in place, so that the two always agree).
     ReplaceResponseBody {
         body: Vec<u8>,
         replaced_len: usize,
+        announce_length: bool,
     },
     Record(Metric),
 }
@@ -1078,20 +1076,14 @@ impl Session {
             }
             fits
         });
-        let mut commands = Vec::new();
-        if let Some(rewritten) = rewritten {
-            // The headers waited for this body: they announce the rewritten one.
-            if headers_held {
-                commands.push(Command::SetResponseHeader {
-                    name: "content-length".to_owned(),
-                    value: rewritten.len().to_string(),
-                });
-            }
-            commands.push(Command::ReplaceResponseBody {
+        let commands = rewritten
+            .map(|rewritten| Command::ReplaceResponseBody {
                 body: rewritten,
                 replaced_len: body.len(),
-            });
-        }
+                announce_length: headers_held,
+            })
+            .into_iter()
+            .collect();
         Step::new(Flow::Continue, commands)
     }
 
