@@ -422,8 +422,16 @@ fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
 }
 
 /// Whether a completions request sends several prompts in one: a list of strings or of
-/// token lists (a list of numbers is one prompt's tokens).
+/// token lists (a list of numbers is one prompt's tokens), or a list of several
+/// `prompt_embeds`.
 fn batches_prompts(object: &JsonObject) -> bool {
+    let several_embeds = object.last_value("prompt_embeds").is_some_and(|embeds| {
+        serde_json::from_slice::<Vec<serde::de::IgnoredAny>>(embeds)
+            .is_ok_and(|embeds| embeds.len() > 1)
+    });
+    if several_embeds {
+        return true;
+    }
     let Some(prompt) = object.last_value("prompt") else {
         return false;
     };
@@ -1019,6 +1027,13 @@ mod tests {
             (Api::Completions, r#"{"prompt":[[1,2,3]]}"#, false),
             (Api::Completions, r#"{"prompt":[1,2,3]}"#, false),
             (Api::Completions, r#"{"prompt":[]}"#, false),
+            (
+                Api::Completions,
+                r#"{"prompt_embeds":["AAAA","BBBB"]}"#,
+                true,
+            ),
+            (Api::Completions, r#"{"prompt_embeds":["AAAA"]}"#, false),
+            (Api::Completions, r#"{"prompt_embeds":"AAAA"}"#, false),
             (
                 Api::Completions,
                 r#"{"prompt":["a","b"],"prompt":"c"}"#,
