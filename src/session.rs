@@ -665,12 +665,15 @@ impl Session {
                 let refusal = if prefill.decode.len_with_kv(kv.len()) > limit {
                     Some(ClientError::decode_body_too_large(limit))
                 } else {
+                    // Room for the rest of decode's answer; an answer that still outgrows
+                    // the limit goes on as decode wrote it.
+                    const REST_OF_ANSWER: usize = 64 * 1024;
+                    let copies = prefill.decode.prompt_logprobs_copies;
                     prompt_logprobs
                         .as_ref()
-                        .filter(|logprobs| logprobs.len() > limit)
-                        .map(|logprobs| {
-                            ClientError::prompt_logprobs_too_large(logprobs.len(), limit)
-                        })
+                        .map(|logprobs| logprobs.len().saturating_mul(copies))
+                        .filter(|size| size.saturating_add(REST_OF_ANSWER) > limit)
+                        .map(|size| ClientError::prompt_logprobs_too_large(size, limit))
                 };
                 if let Some(refusal) = refusal {
                     commands.extend(self.reject(&refusal));

@@ -64,6 +64,9 @@ pub struct DecodePlan {
     /// The client asked for prompt logprobs: decode on prefill's KV does not get the request
     /// for them, prefill's go into its answer.
     pub prompt_logprobs_from_prefill: bool,
+    /// How many copies of prefill's prompt logprobs decode's answer gets: one per choice on
+    /// completions (the client's `n`), one on chat.
+    pub prompt_logprobs_copies: usize,
     /// Decode's answer, when streamed, carries usage as vLLM writes it by default: always on
     /// the Responses, Messages and tokens-in APIs; on completions and chat only when the
     /// client sent `stream_options` (vLLM's `include_usage` defaults to true once they are
@@ -245,6 +248,14 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     let decode = DecodePlan {
         json_start,
         prompt_logprobs_from_prefill: asks_prompt_logprobs,
+        prompt_logprobs_copies: match api {
+            Api::Completions => object
+                .last_value("n")
+                .and_then(|n| std::str::from_utf8(n).ok()?.parse().ok())
+                .unwrap_or(1)
+                .max(1),
+            _ => 1,
+        },
         stream_usage_asked: !matches!(api, Api::Completions | Api::ChatCompletions)
             || object.is_set("stream_options"),
         first_member,

@@ -1451,10 +1451,16 @@ fn prompt_logprobs_larger_than_an_answer_the_filter_holds_are_refused_before_dec
     );
     assert!(has_release(&commands), "prefill's KV is released");
     assert!(!commands.contains(&Command::ResumeRequest));
-    // Within the limit: decode gets the request.
-    let mut s = prefilling_body(r#"{"max_request_body_bytes":8192}"#, body);
+    // Within the limit, with room for the rest of decode's answer: decode gets the request.
+    let roomy = r#"{"max_request_body_bytes":70000}"#;
+    let mut s = prefilling_body(roomy, body);
     let commands = s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
     assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
+    // Completions put them into every choice: n copies must fit.
+    let many = r#"{"prompt":"x","max_tokens":5,"prompt_logprobs":1,"n":1000}"#;
+    let mut s = prefilling_body(roomy, many);
+    let commands = s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+    assert_eq!(reply(&commands).0, 400);
 }
 
 #[test]
