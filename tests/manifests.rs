@@ -6,6 +6,8 @@
 //! nothing beside the repository but Envoy (`make envoy`) and the built filter (`make build`).
 
 mod common;
+#[path = "common/raw_http.rs"]
+mod raw_http;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -1198,6 +1200,14 @@ fn hardening_errors(config: &Value) -> Vec<String> {
                     "per_connection_buffer_limit_bytes {buffer} < max_request_body_bytes {max_body}"
                 ));
             }
+            // For an HTTP/2 client, Envoy buffers a stream up to its window, not the
+            // listener's limit: a smaller window refuses bodies and answers the filter holds.
+            if stream_window.is_some_and(|window| window < max_body) {
+                error(format!(
+                    "http2 initial_stream_window_size {stream_window:?} < max_request_body_bytes \
+                     {max_body}"
+                ));
+            }
             if wasm["failure_policy"] != "FAIL_RELOAD" {
                 error(format!("wasm failure_policy {}", wasm["failure_policy"]));
             }
@@ -1335,6 +1345,14 @@ fn weakened_envoy_configs_are_caught() {
             first_hcm(c)["http2_protocol_options"]["initial_stream_window_size"] =
                 json!(268_435_456)
         }),
+        (
+            "an HTTP/2 stream window below the body limit",
+            "initial_stream_window_size Some(1048576)",
+            |c| {
+                first_hcm(c)["http2_protocol_options"]["initial_stream_window_size"] =
+                    json!(1_048_576)
+            },
+        ),
         (
             "a scheduler header kept",
             "x-gateway-destination-endpoint",
@@ -1755,6 +1773,53 @@ fn start_mock(runtime: &tokio::runtime::Runtime, role: mock_vllm::Role) -> mock_
 }
 
 const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
+
+/// envoy/envoy.yaml as shipped takes an HTTP/2 client's body up to the filter's limit: Envoy
+/// buffers an HTTP/2 stream up to its flow-control window, not the listener's buffer limit.
+#[test]
+fn envoy_yaml_takes_http2_bodies_up_to_the_filters_limit_in_envoy() {
+    use mock_vllm::Role;
+    use raw_http::{h2_connect, h2_exchange, H2Outcome, H2Request};
+    let runtime = mock_runtime();
+    let prefill = start_mock(&runtime, Role::Prefill);
+    let decode = start_mock(&runtime, Role::Decode);
+    let envoy = start_shipped_envoy("envoy/envoy.yaml", "run-envoy-yaml-h2", |text| {
+        let text = substitute(
+            &text,
+            "port_value: 8100 }",
+            &format!("port_value: {} }}", prefill.port()),
+        );
+        substitute(
+            &text,
+            "port_value: 8200 }",
+            &format!("port_value: {} }}", decode.port()),
+        )
+    });
+    let prompt = "word ".repeat(600_000);
+    let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": 2}).to_string();
+    assert!(body.len() > 2_900_000);
+    let outcome = runtime.block_on(async {
+        let sender = h2_connect(envoy.port).await.expect("h2c");
+        let request = H2Request {
+            method: "POST".into(),
+            path: "/v1/completions".into(),
+            headers: vec![
+                ("content-type".into(), "application/json".into()),
+                ("x-request-id".into(), "h2-large-body".into()),
+            ],
+            data: body.as_bytes().chunks(16_384).map(<[u8]>::to_vec).collect(),
+            trailers: vec![],
+            reset_after: None,
+        };
+        h2_exchange(&sender, request, std::time::Duration::from_secs(60)).await
+    });
+    let H2Outcome::Response(response) = outcome else {
+        panic!("no answer: {outcome:?}\n{}", envoy.log());
+    };
+    assert_eq!(response.status, 200, "{}", response.text());
+    assert_eq!(prefill.requests_with_id("h2-large-body").len(), 1);
+    assert_eq!(decode.requests_with_id("h2-large-body").len(), 1);
+}
 
 /// envoy/envoy.yaml as shipped: every spelling of an endpoint either reaches the filter as the
 /// canonical path (and so is orchestrated) or is refused by Envoy, and clients' copies of the
