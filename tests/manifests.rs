@@ -1138,6 +1138,14 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             ));
         }
 
+        // Every answer carries the request id both legs logged, Envoy's own too.
+        if hcm["always_set_request_id_in_response"] != true {
+            error(
+                "Envoy's own answers without the request id (always_set_request_id_in_response)"
+                    .to_owned(),
+            );
+        }
+
         // The worker-choosing headers removed before any filter runs.
         let removed: Vec<String> = hcm["early_header_mutation_extensions"]
             .as_array()
@@ -1341,6 +1349,16 @@ fn weakened_envoy_configs_are_caught() {
                 .unwrap()
                 .remove("max_concurrent_streams");
         }),
+        (
+            "answers without the request id",
+            "always_set_request_id_in_response",
+            |c| {
+                first_hcm(c)
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("always_set_request_id_in_response");
+            },
+        ),
         ("Envoy's default HTTP/2 windows", "http2 windows", |c| {
             first_hcm(c)["http2_protocol_options"]["initial_stream_window_size"] =
                 json!(268_435_456)
@@ -1681,7 +1699,19 @@ fn start_shipped_envoy(
 /// An answer as the client got it.
 struct Reply {
     status: u16,
+    /// The status line and headers, as sent.
+    head: String,
     body: String,
+}
+
+impl Reply {
+    /// The value of header `name` (the first, if repeated).
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().skip(1).find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            key.eq_ignore_ascii_case(name).then(|| value.trim())
+        })
+    }
 }
 
 /// Sends one HTTP/1.1 POST with the request target exactly as given (no client-side
@@ -1735,7 +1765,11 @@ fn raw_exchange(port: u16, request: &[u8]) -> Reply {
     } else {
         rest.to_owned()
     };
-    Reply { status, body }
+    Reply {
+        status,
+        head: head.to_owned(),
+        body,
+    }
 }
 
 /// The `error` object of an OpenAI-style error answer with `status` and a message, or what
@@ -1882,6 +1916,9 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
             }
             if let Err(what) = openai_error(&reply, 400) {
                 failures.push(format!("{target}: {what}"));
+            }
+            if reply.header("x-request-id") != Some(id.as_str()) {
+                failures.push(format!("{target}: Envoy's answer without its request id"));
             }
             continue;
         }
