@@ -1030,6 +1030,31 @@ fn hardening_errors(config: &Value) -> Vec<String> {
     if !(heap_limited && heap_action) {
         errors.push("no fixed_heap monitor that stops accepting requests".to_owned());
     }
+    // Streams already open keep buffering past that: near the limit, the largest are reset
+    // (which needs per-stream memory accounting).
+    let resets_streams = config["overload_manager"]["actions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|action| {
+            action["name"] == "envoy.overload_actions.reset_high_memory_stream"
+                && action["triggers"][0]["name"] == "envoy.resource_monitors.fixed_heap"
+        });
+    let accounted = config["overload_manager"]["buffer_factory_config"]
+        ["minimum_account_to_track_power_of_two"]
+        .as_u64()
+        .is_some_and(|power| (10..=24).contains(&power));
+    // Checked often enough for a fast client: at 0.25 s one took Envoy to 2.7 GB under a
+    // 300 MB limit.
+    let checked_often = seconds(&config["overload_manager"]["refresh_interval"])
+        .is_some_and(|interval| interval <= 0.1);
+    if !(resets_streams && accounted && checked_often) {
+        errors.push(
+            "no reset_high_memory_stream on the heap monitor (with buffer accounting, checked \
+             every 0.1 s at most): open uploads could grow the heap past its limit"
+                .to_owned(),
+        );
+    }
 
     let clusters: Vec<&Value> = config["static_resources"]["clusters"]
         .as_array()
@@ -1349,6 +1374,16 @@ fn weakened_envoy_configs_are_caught() {
                 .unwrap()
                 .remove("max_concurrent_streams");
         }),
+        (
+            "open streams never reset near the heap limit",
+            "reset_high_memory_stream",
+            |c| {
+                let actions = c["overload_manager"]["actions"].as_array_mut().unwrap();
+                actions.retain(|action| {
+                    action["name"] != "envoy.overload_actions.reset_high_memory_stream"
+                });
+            },
+        ),
         (
             "answers without the request id",
             "always_set_request_id_in_response",
@@ -1853,6 +1888,71 @@ fn envoy_yaml_takes_http2_bodies_up_to_the_filters_limit_in_envoy() {
     assert_eq!(response.status, 200, "{}", response.text());
     assert_eq!(prefill.requests_with_id("h2-large-body").len(), 1);
     assert_eq!(decode.requests_with_id("h2-large-body").len(), 1);
+}
+
+/// envoy/envoy.yaml as shipped, with its heap limit lowered to 300 MB: HTTP/2 clients that
+/// open hundreds of uploads and never finish them do not grow Envoy past it, because the
+/// streams that buffer the most are reset near the limit.
+#[test]
+fn envoy_yaml_resets_open_uploads_near_its_heap_limit_in_envoy() {
+    use bytes::Bytes;
+    use raw_http::h2_connect;
+    let envoy = start_shipped_envoy("envoy/envoy.yaml", "run-envoy-yaml-heap", |text| {
+        substitute(
+            &text,
+            "max_heap_size_bytes: 2147483648",
+            "max_heap_size_bytes: 314572800",
+        )
+    });
+    let rss_mib = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|status| {
+                let line = status.lines().find(|line| line.starts_with("VmRSS:"))?;
+                line.split_whitespace().nth(1)?.parse::<u64>().ok()
+            })
+            .map(|kib| kib / 1024)
+    };
+    let pid = envoy.child.id();
+    let runtime = mock_runtime();
+    let chunk = Bytes::from(vec![b'x'; 1 << 20]);
+    let mut streams = Vec::new();
+    runtime.block_on(async {
+        for _ in 0..4 {
+            let mut sender = h2_connect(envoy.port).await.expect("h2c");
+            for _ in 0..100 {
+                sender = sender.ready().await.expect("ready");
+                let request = http::Request::post("http://localhost/v1/completions")
+                    .header("content-type", "application/json")
+                    .body(())
+                    .expect("request");
+                let (response, mut stream) =
+                    sender.send_request(request, false).expect("send_request");
+                // 15 MiB queued, sent as the windows allow; never the end of the body.
+                for _ in 0..15 {
+                    let _ = stream.send_data(chunk.clone(), false);
+                }
+                streams.push((response, stream));
+            }
+        }
+    });
+    let mut largest = 0;
+    for _ in 0..24 {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        largest = largest.max(rss_mib(pid).expect("envoy is running"));
+    }
+    drop(streams);
+    let stats = common::http_get(envoy.admin_port, "/stats?filter=reset_high_memory_stream")
+        .unwrap_or_default();
+    eprintln!("largest RSS {largest} MiB; {}", stats.replace('\n', "; "));
+    assert!(
+        largest < 700,
+        "Envoy grew to {largest} MiB under a 300 MB heap limit; {stats}"
+    );
+    assert!(
+        !stats.contains("reset_high_memory_stream.count: 0"),
+        "no stream was reset: {stats}"
+    );
 }
 
 /// envoy/envoy.yaml as shipped: every spelling of an endpoint either reaches the filter as the
