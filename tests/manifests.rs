@@ -1841,18 +1841,20 @@ fn start_mock(runtime: &tokio::runtime::Runtime, role: mock_vllm::Role) -> mock_
         .expect("mock server")
 }
 
-const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
-
-/// envoy/envoy.yaml as shipped takes an HTTP/2 client's body up to the filter's limit: Envoy
-/// buffers an HTTP/2 stream up to its flow-control window, not the listener's buffer limit.
-#[test]
-fn envoy_yaml_takes_http2_bodies_up_to_the_filters_limit_in_envoy() {
-    use mock_vllm::Role;
-    use raw_http::{h2_connect, h2_exchange, H2Outcome, H2Request};
+/// `envoy/envoy.yaml` as shipped, its clusters pointed at a prefill and a decode mock served
+/// by the returned runtime.
+fn envoy_yaml_before_mocks(
+    label: &str,
+) -> (
+    tokio::runtime::Runtime,
+    mock_vllm::MockServer,
+    mock_vllm::MockServer,
+    RunningEnvoy,
+) {
     let runtime = mock_runtime();
-    let prefill = start_mock(&runtime, Role::Prefill);
-    let decode = start_mock(&runtime, Role::Decode);
-    let envoy = start_shipped_envoy("envoy/envoy.yaml", "run-envoy-yaml-h2", |text| {
+    let prefill = start_mock(&runtime, mock_vllm::Role::Prefill);
+    let decode = start_mock(&runtime, mock_vllm::Role::Decode);
+    let envoy = start_shipped_envoy("envoy/envoy.yaml", label, |text| {
         let text = substitute(
             &text,
             "port_value: 8100 }",
@@ -1864,6 +1866,17 @@ fn envoy_yaml_takes_http2_bodies_up_to_the_filters_limit_in_envoy() {
             &format!("port_value: {} }}", decode.port()),
         )
     });
+    (runtime, prefill, decode, envoy)
+}
+
+const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
+
+/// envoy/envoy.yaml as shipped takes an HTTP/2 client's body up to the filter's limit: Envoy
+/// buffers an HTTP/2 stream up to its flow-control window, not the listener's buffer limit.
+#[test]
+fn envoy_yaml_takes_http2_bodies_up_to_the_filters_limit_in_envoy() {
+    use raw_http::{h2_connect, h2_exchange, H2Outcome, H2Request};
+    let (runtime, prefill, decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-h2");
     let prompt = "word ".repeat(600_000);
     let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": 2}).to_string();
     assert!(body.len() > 2_900_000);
@@ -1960,22 +1973,7 @@ fn envoy_yaml_resets_open_uploads_near_its_heap_limit_in_envoy() {
 /// worker-choosing headers reach neither worker.
 #[test]
 fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
-    use mock_vllm::Role;
-    let runtime = mock_runtime();
-    let prefill = start_mock(&runtime, Role::Prefill);
-    let decode = start_mock(&runtime, Role::Decode);
-    let envoy = start_shipped_envoy("envoy/envoy.yaml", "run-envoy-yaml", |text| {
-        let text = substitute(
-            &text,
-            "port_value: 8100 }",
-            &format!("port_value: {} }}", prefill.port()),
-        );
-        substitute(
-            &text,
-            "port_value: 8200 }",
-            &format!("port_value: {} }}", decode.port()),
-        )
-    });
+    let (_runtime, prefill, decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml");
     let mut failures = Vec::new();
 
     // Each spelling of an endpoint, and whether it must be orchestrated: encoded slashes get
