@@ -196,8 +196,7 @@ enum State {
         prompt_usage: Option<(Api, PromptUsage)>,
         /// A streamed answer carries usage: read its chunks for it.
         stream_usage: bool,
-        /// Prefill's prompt logprobs, to put into decode's answer.
-        /// Prefill's prompt logprobs, as it wrote them.
+        /// Prefill's prompt logprobs as it wrote them, to put into decode's answer.
         prompt_logprobs: Option<(Api, Vec<u8>)>,
         answer: AnswerRewrite,
     },
