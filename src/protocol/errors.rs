@@ -71,10 +71,10 @@ impl ClientError {
     /// The body for a client of `api`. vLLM answers Anthropic's shape on the Messages API,
     /// whose SDKs read `error.type` in Anthropic's words; the OpenAI shape elsewhere.
     pub fn body_for(&self, api: Option<Api>) -> Vec<u8> {
-        match (&self.verbatim, api) {
-            (Some(body), _) => body.clone(),
-            (None, Some(Api::Messages)) => self.to_anthropic_json(),
-            (None, _) => self.to_json(),
+        if api == Some(Api::Messages) && self.verbatim.is_none() {
+            self.to_anthropic_json()
+        } else {
+            self.to_json()
         }
     }
 
