@@ -26,6 +26,10 @@ use crate::protocol::{
 };
 use crate::request_id::new_request_id;
 
+/// Room left for the rest of decode's answer when prefill's prompt logprobs go into it; an
+/// answer that still outgrows the limit goes on as decode wrote it.
+const REST_OF_ANSWER: usize = 64 * 1024;
+
 /// The filter state key of the prefill time in milliseconds: Envoy's access log reads it as
 /// `%FILTER_STATE(wasm.pd_prefill_ms:PLAIN)%`.
 pub const PREFILL_TIME_FILTER_STATE: &str = "pd_prefill_ms";
@@ -664,9 +668,6 @@ impl Session {
                 let refusal = if prefill.decode.len_with_kv(kv.len()) > limit {
                     Some(ClientError::decode_body_too_large(limit))
                 } else {
-                    // Room for the rest of decode's answer; an answer that still outgrows
-                    // the limit goes on as decode wrote it.
-                    const REST_OF_ANSWER: usize = 64 * 1024;
                     let copies = prefill.decode.prompt_logprobs_copies;
                     prompt_logprobs
                         .as_ref()
