@@ -338,6 +338,17 @@ impl Splice {
     }
 }
 
+/// The elements of a JSON array, each as the slice of `array` it is written in; `None` when
+/// `array` is not one.
+pub fn array_elements(array: &[u8]) -> Option<Vec<&[u8]>> {
+    let raw: Vec<&serde_json::value::RawValue> = serde_json::from_slice(array).ok()?;
+    Some(
+        raw.into_iter()
+            .map(|value| value.get().as_bytes())
+            .collect(),
+    )
+}
+
 /// The bytes of a range the parser produced (always in bounds).
 fn span(bytes: &[u8], range: Range<usize>) -> &[u8] {
     bytes.get(range).unwrap_or_default()

@@ -4,10 +4,8 @@
 //! text: prefill's logprobs go in byte for byte (no number is read and written again), and
 //! every other byte of decode's answer stays where it was.
 
-use serde_json::value::RawValue;
-
 use crate::api::Api;
-use crate::json::{Edit, JsonObject};
+use crate::json::{array_elements, Edit, JsonObject};
 
 const PROMPT_LOGPROBS: &str = "prompt_logprobs";
 
@@ -19,7 +17,7 @@ pub fn from_prefill_answer(api: Api, answer: &[u8]) -> Option<Vec<u8>> {
         Api::ChatCompletions => answer.last_value(PROMPT_LOGPROBS)?,
         Api::Completions => {
             let choices = answer.last_value("choices")?;
-            let first = *elements(choices)?.first()?;
+            let first = *array_elements(choices)?.first()?;
             JsonObject::parse(first).ok()?.last_value(PROMPT_LOGPROBS)?
         }
         Api::Responses | Api::Messages | Api::Generate => return None,
@@ -37,7 +35,7 @@ pub fn into_answer(api: Api, answer: &[u8], logprobs: &[u8]) -> Option<Vec<u8>> 
             let choices = object.last_value("choices")?;
             let mut written = Vec::with_capacity(choices.len() + logprobs.len());
             let mut cursor = 0;
-            for choice in elements(choices)? {
+            for choice in array_elements(choices)? {
                 let start = offset_in(choices, choice)?;
                 written.extend_from_slice(choices.get(cursor..start)?);
                 written.extend_from_slice(&with_member(&JsonObject::parse(choice).ok()?, logprobs));
@@ -66,16 +64,6 @@ fn with_member(object: &JsonObject, logprobs: &[u8]) -> Vec<u8> {
         }
     };
     object.splice(edit, append).write(object.text(), logprobs)
-}
-
-/// The elements of a JSON array, each as the slice of `array` it is written in.
-fn elements(array: &[u8]) -> Option<Vec<&[u8]>> {
-    let raw: Vec<&RawValue> = serde_json::from_slice(array).ok()?;
-    Some(
-        raw.into_iter()
-            .map(|value| value.get().as_bytes())
-            .collect(),
-    )
 }
 
 /// Where `part`, a slice of `whole`, starts in it.

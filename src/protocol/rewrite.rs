@@ -5,7 +5,7 @@
 //! (prefill's `kv_transfer_params` go in as the first member), so only the head is written.
 
 use crate::api::Api;
-use crate::json::{Edit, JsonErrorKind, JsonObject, Splice};
+use crate::json::{array_elements, Edit, JsonErrorKind, JsonObject, Splice};
 
 use super::errors::ClientError;
 
@@ -249,7 +249,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
         json_start,
         prompt_logprobs_from_prefill: asks_prompt_logprobs,
         prompt_logprobs_copies: match api {
-            Api::Completions => object
+            Api::Completions if asks_prompt_logprobs => object
                 .last_value("n")
                 .and_then(|n| std::str::from_utf8(n).ok()?.parse().ok())
                 .unwrap_or(1)
@@ -395,9 +395,8 @@ fn named_instead_of_required(object: &JsonObject) -> Option<Vec<u8>> {
     if choice != "required" {
         return None;
     }
-    let tools: Vec<&serde_json::value::RawValue> =
-        serde_json::from_slice(object.last_value("tools")?).ok()?;
-    let first = JsonObject::parse(tools.first()?.get().as_bytes()).ok()?;
+    let tools = array_elements(object.last_value("tools")?)?;
+    let first = JsonObject::parse(tools.first()?).ok()?;
     let function = JsonObject::parse(first.last_value("function")?).ok()?;
     let name = function
         .last_value("name")
@@ -436,11 +435,8 @@ fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
 /// token lists (a list of numbers is one prompt's tokens), or a list of several
 /// `prompt_embeds`.
 fn batches_prompts(object: &JsonObject) -> bool {
-    let several_embeds = object.last_value("prompt_embeds").is_some_and(|embeds| {
-        serde_json::from_slice::<Vec<serde::de::IgnoredAny>>(embeds)
-            .is_ok_and(|embeds| embeds.len() > 1)
-    });
-    if several_embeds {
+    let several = |list: &[u8]| array_elements(list).is_some_and(|items| items.len() > 1);
+    if object.last_value("prompt_embeds").is_some_and(several) {
         return true;
     }
     let Some(prompt) = object.last_value("prompt") else {
@@ -450,11 +446,7 @@ fn batches_prompts(object: &JsonObject) -> bool {
         return false;
     };
     let first = inner.iter().find(|byte| !byte.is_ascii_whitespace());
-    if !matches!(first, Some(b'"' | b'[')) {
-        return false;
-    }
-    serde_json::from_slice::<Vec<serde::de::IgnoredAny>>(prompt)
-        .is_ok_and(|prompts| prompts.len() > 1)
+    matches!(first, Some(b'"' | b'[')) && several(prompt)
 }
 
 /// Whether a tokens-in request asks for prompt logprobs (in its `sampling_params`).
@@ -998,7 +990,7 @@ mod tests {
     }
 
     #[test]
-    fn chat_echo_beam_search_and_a_stored_previous_response_are_refused() {
+    fn requests_vllm_cannot_serve_disaggregated_are_refused() {
         for (api, body, refused) in [
             (Api::ChatCompletions, r#"{"messages":[],"echo":true}"#, true),
             (
