@@ -1626,6 +1626,53 @@ fn istio_manifests_require_path_normalization_and_refuse_scheduler_headers() {
     }
 }
 
+#[test]
+fn istio_local_replies_patch_the_gateway_with_envoy_yamls_block() {
+    let plugin = wasm_plugin();
+    let patches = objects_of_kind("EnvoyFilter");
+    assert_eq!(patches.len(), 1, "deploy/istio: one EnvoyFilter");
+    let patch = &patches[0];
+    assert_eq!(patch["apiVersion"], "networking.istio.io/v1alpha3");
+    assert_eq!(
+        patch["metadata"]["namespace"], plugin["metadata"]["namespace"],
+        "the EnvoyFilter must live beside the WasmPlugin"
+    );
+    assert_eq!(
+        patch["spec"]["workloadSelector"]["labels"], plugin["spec"]["selector"]["matchLabels"],
+        "the EnvoyFilter must select the plugin's gateway"
+    );
+    let config_patches = patch["spec"]["configPatches"]
+        .as_array()
+        .expect("configPatches");
+    assert_eq!(config_patches.len(), 1, "{config_patches:#?}");
+    let config_patch = &config_patches[0];
+    assert_eq!(config_patch["applyTo"], "NETWORK_FILTER");
+    assert_eq!(config_patch["match"]["context"], "GATEWAY");
+    assert_eq!(
+        config_patch["match"]["listener"]["filterChain"]["filter"]["name"],
+        "envoy.filters.network.http_connection_manager"
+    );
+    assert_eq!(config_patch["patch"]["operation"], "MERGE");
+    let typed_config = &config_patch["patch"]["value"]["typed_config"];
+    assert_eq!(
+        typed_config["@type"],
+        "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+    );
+    let reference = yaml_file("envoy/envoy.yaml").remove(0);
+    let (_, hcm) = http_connection_managers(&reference)[0];
+    assert_eq!(
+        typed_config["local_reply_config"], hcm["local_reply_config"],
+        "deploy/istio/local-replies.yaml must merge envoy/envoy.yaml's local_reply_config"
+    );
+    // Nothing else of the gateway's connection manager is touched.
+    let keys: Vec<&String> = typed_config
+        .as_object()
+        .expect("typed_config")
+        .keys()
+        .collect();
+    assert_eq!(keys, ["@type", "local_reply_config"]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // (g) The shipped configurations in a running Envoy, in front of the mock vLLM servers.
 
