@@ -67,6 +67,7 @@ struct RawConfig {
     usage: UsagePolicy,
     decode_forces_include_usage: bool,
     decode_cluster: String,
+    model_decode_clusters: BTreeMap<String, String>,
     max_kv_releases_in_flight: u32,
     kv_release_timeout_ms: u64,
 }
@@ -107,6 +108,7 @@ impl Default for RawConfig {
             usage: UsagePolicy::Merge,
             decode_forces_include_usage: false,
             decode_cluster: "decode".to_owned(),
+            model_decode_clusters: BTreeMap::new(),
             max_kv_releases_in_flight: 64,
             kv_release_timeout_ms: 30_000,
         }
@@ -197,6 +199,8 @@ pub struct Config {
     pub decode_forces_include_usage: bool,
     /// The decode cluster releases are sent to.
     pub decode_cluster: String,
+    /// Decode cluster per `model` for releases; others go to `decode_cluster`.
+    pub model_decode_clusters: BTreeMap<String, String>,
     pub max_kv_releases_in_flight: u32,
     pub kv_release_timeout: Duration,
 }
@@ -290,10 +294,13 @@ impl Config {
             .map(|name| header_name("model_header", &name))
             .transpose()?;
         let prefill_host_header = header_name("prefill_host_header", &raw.prefill_host_header)?;
-        for (model, cluster) in &raw.model_prefill_clusters {
-            if cluster.trim().is_empty() {
+        for (key, clusters) in [
+            ("model_prefill_clusters", &raw.model_prefill_clusters),
+            ("model_decode_clusters", &raw.model_decode_clusters),
+        ] {
+            if let Some((model, _)) = clusters.iter().find(|(_, c)| c.trim().is_empty()) {
                 return Err(ConfigError(format!(
-                    "model_prefill_clusters: the cluster for {model:?} is empty"
+                    "{key}: the cluster for {model:?} is empty"
                 )));
             }
         }
@@ -364,6 +371,7 @@ impl Config {
             usage: raw.usage,
             decode_forces_include_usage: raw.decode_forces_include_usage,
             decode_cluster: raw.decode_cluster,
+            model_decode_clusters: raw.model_decode_clusters,
             max_kv_releases_in_flight: raw.max_kv_releases_in_flight,
             kv_release_timeout: Duration::from_millis(raw.kv_release_timeout_ms),
         })
@@ -374,6 +382,13 @@ impl Config {
         model
             .and_then(|model| self.model_prefill_clusters.get(model))
             .unwrap_or(&self.prefill_cluster)
+    }
+
+    /// The decode cluster a release for a request's `model` goes to.
+    pub fn decode_cluster_for(&self, model: Option<&str>) -> &str {
+        model
+            .and_then(|model| self.model_decode_clusters.get(model))
+            .unwrap_or(&self.decode_cluster)
     }
 
     /// What the filter does with a request to `raw_path`.
@@ -430,6 +445,7 @@ const SHAPES: &[(&str, Shape)] = &[
     ("usage", Shape::Choice(&["merge", "decode"])),
     ("decode_forces_include_usage", Shape::Flag),
     ("decode_cluster", Shape::Text),
+    ("model_decode_clusters", Shape::TextMap),
     ("max_kv_releases_in_flight", Shape::Count(u32::MAX as u64)),
     ("kv_release_timeout_ms", Shape::Count(u64::MAX)),
 ];
@@ -546,6 +562,13 @@ mod tests {
         assert_eq!(config.prefill_cluster_for(Some("llama")), "prefill-llama");
         assert_eq!(config.prefill_cluster_for(Some("other")), "p");
         assert_eq!(config.prefill_cluster_for(None), "p");
+        let config = Config::from_json(
+            br#"{"model_decode_clusters":{"llama":"decode-llama"},"decode_cluster":"d"}"#,
+        )
+        .unwrap();
+        assert_eq!(config.decode_cluster_for(Some("llama")), "decode-llama");
+        assert_eq!(config.decode_cluster_for(Some("other")), "d");
+        assert_eq!(config.decode_cluster_for(None), "d");
         assert_eq!(config.prefill_retries, 1);
         assert_eq!(config.on_prefill_failure, PrefillFailurePolicy::Fail);
         assert_eq!(config.prefill_host_header, "x-prefiller-host-port");
@@ -695,6 +718,10 @@ mod tests {
             (
                 r#"{"model_prefill_clusters":{"m":""}}"#,
                 "cluster for \"m\" is empty",
+            ),
+            (
+                r#"{"model_decode_clusters":{"m":" "}}"#,
+                "model_decode_clusters: the cluster for \"m\" is empty",
             ),
             (r#"{"model_header":""}"#, "model_header"),
             // What a careless operator writes for the flags that change what reaches decode.

@@ -1178,7 +1178,9 @@ impl Session {
         };
         headers.push((KV_RELEASE_HEADER.to_owned(), "1".to_owned()));
         Some(Command::ReleaseKv(HttpCall {
-            cluster: config.decode_cluster.clone(),
+            cluster: config
+                .decode_cluster_for(unread.model.as_deref())
+                .to_owned(),
             headers,
             body,
             timeout: config.kv_release_timeout,

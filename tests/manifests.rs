@@ -526,6 +526,38 @@ fn istio_names_agree_across_the_manifests() {
         }
     }
 
+    // Every path the plugin orchestrates reaches decode through the gateway, and the plugin
+    // releases KV through the Service that route goes to.
+    let plugin_config = serde_json::to_vec(&plugin["spec"]["pluginConfig"]).expect("json");
+    let config = Config::from_json(&plugin_config).unwrap_or_else(|e| panic!("{e}"));
+    for orchestrated in &config.orchestrated_paths {
+        let path = orchestrated.path.as_str();
+        assert!(
+            routes.iter().any(|route| {
+                route["match"].as_array().into_iter().flatten().any(|m| {
+                    m["uri"]["exact"] == path
+                        || m["uri"]["prefix"]
+                            .as_str()
+                            .is_some_and(|prefix| path.starts_with(prefix))
+                })
+            }),
+            "the VirtualService does not route {path}, which the plugin orchestrates"
+        );
+    }
+    for route in routes {
+        for destination in route["route"].as_array().expect("route") {
+            let decode = format!(
+                "outbound|{}||{}",
+                destination["destination"]["port"]["number"],
+                destination["destination"]["host"].as_str().expect("host")
+            );
+            assert_eq!(
+                config.decode_cluster, decode,
+                "KV releases must go to the decode Service the gateway routes to"
+            );
+        }
+    }
+
     // Each DestinationRule names an example Service.
     let rules = objects_of_kind("DestinationRule");
     assert!(!rules.is_empty());
@@ -1110,8 +1142,44 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             error("local_reply_config does not answer an OpenAI error object".to_owned());
         }
 
-        // Slow clients, with the filter's prefill budget inside the request timeout.
         let filters = wasm_filters(hcm);
+        // Every cluster the filter calls is one of this Envoy's: a missing prefill cluster
+        // fails every request, a missing decode cluster every KV release, unseen.
+        for (_, plugin) in &filters {
+            let parsed = match Config::from_json(plugin.to_string().as_bytes()) {
+                Ok(parsed) => parsed,
+                Err(e) => {
+                    error(format!("plugin configuration refused: {e}"));
+                    continue;
+                }
+            };
+            let mut called = vec![("prefill_cluster", parsed.prefill_cluster.clone())];
+            called.extend(
+                parsed
+                    .prefill_host_cluster
+                    .iter()
+                    .map(|c| ("prefill_host_cluster", c.clone())),
+            );
+            for cluster in parsed.model_prefill_clusters.values() {
+                called.push(("model_prefill_clusters", cluster.clone()));
+            }
+            if parsed.release_kv_on_abandon {
+                called.push(("decode_cluster", parsed.decode_cluster.clone()));
+                for cluster in parsed.model_decode_clusters.values() {
+                    called.push(("model_decode_clusters", cluster.clone()));
+                }
+            }
+            for (key, cluster) in called {
+                if !clusters
+                    .iter()
+                    .any(|defined| defined["name"] == cluster.as_str())
+                {
+                    error(format!("{key} {cluster:?} is not a cluster of this Envoy"));
+                }
+            }
+        }
+
+        // Slow clients, with the filter's prefill budget inside the request timeout.
         let prefill_timeout_s = filters
             .iter()
             .map(|(_, plugin)| {
@@ -1425,6 +1493,15 @@ fn weakened_envoy_configs_are_caught() {
                 let wasm = &mut first_hcm(c)["http_filters"][0]["typed_config"]["config"];
                 wasm["configuration"]["value"] =
                     json!(r#"{"prefill_host_header":"x-scheduler-prefill"}"#);
+            },
+        ),
+        (
+            "KV releases sent to a cluster Envoy does not have",
+            "decode_cluster \"decode-pool\" is not a cluster",
+            |c| {
+                let wasm = &mut first_hcm(c)["http_filters"][0]["typed_config"]["config"];
+                wasm["configuration"]["value"] =
+                    json!(r#"{"hold_request_headers":true,"decode_cluster":"decode-pool"}"#);
             },
         ),
         (

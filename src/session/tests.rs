@@ -752,6 +752,27 @@ fn the_model_picks_the_prefill_pool_and_the_decode_route() {
 }
 
 #[test]
+fn a_models_kv_is_released_through_its_own_decode_pool() {
+    let config = r#"{"model_prefill_clusters":{"model-b":"prefill_b"},"model_decode_clusters":{"model-b":"decode_b"}}"#;
+    for (model, decode_pool) in [("model-b", "decode_b"), ("model-a", "decode")] {
+        let mut s = session(config);
+        let body = serde_json::json!({"model": model, "prompt": "x"}).to_string();
+        send(&mut s, &post("/v1/completions"), &body);
+        s.on_prefill_dispatched(Some(1), at(0));
+        s.on_client_gone();
+        let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+        let release = commands
+            .iter()
+            .find_map(|c| match c {
+                Command::ReleaseKv(call) => Some(call),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("{model}: no release in {commands:?}"));
+        assert_eq!(release.cluster, decode_pool, "{model}");
+    }
+}
+
+#[test]
 fn scheduled_hosts_must_be_allowed_and_never_reach_decode() {
     let config = r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["127.0.0.2/32"]}"#;
     let mut s = session(config);
