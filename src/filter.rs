@@ -277,6 +277,12 @@ impl Worker {
             .borrow_mut()
             .release_sent(token, call, attempts);
         if token.is_none() {
+            // Most often a decode_cluster this Envoy does not have: every release fails alike.
+            log::warn!(
+                "KV release could not be sent to cluster {:?}; is it defined in Envoy \
+                 (decode_cluster, model_decode_clusters)?",
+                call.cluster
+            );
             self.record(Metric::KvReleaseFailed);
         }
     }
