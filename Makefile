@@ -66,7 +66,7 @@ test-wasm: ## The library's unit tests compiled to wasm32-wasip1, run under Node
 # Not part of `make test` (which needs no Docker); .ci/run runs it where Docker can run.
 # As root it installs Docker, Compose and debootstrap from Debian's packages and starts dockerd
 # as needed; where no image can be pulled it builds local stand-ins for the official images.
-test-compose: ## docker-compose.yml run for real: images, the three APIs, OCI layout (Docker, root)
+test-compose: ## docker-compose.yml run for real: images, the three OpenAI APIs, OCI layout (Docker, root)
 	ENVOY="$(ENVOY)" scripts/test-compose.sh
 
 # Not part of `make test`: about 15 minutes of loopback load (scripts/bench.sh, docs/performance.md).

@@ -52,10 +52,13 @@ async fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let roles = match parse_args(&args) {
         Ok(roles) => roles,
+        // --help: the usage on stdout, and success.
+        Err(message) if message.is_empty() => {
+            println!("{USAGE}");
+            return;
+        }
         Err(message) => {
-            if !message.is_empty() {
-                eprintln!("mock-vllm: {message}");
-            }
+            eprintln!("mock-vllm: {message}");
             eprintln!("{USAGE}");
             std::process::exit(2);
         }
