@@ -1038,3 +1038,38 @@ async fn uploads_that_never_finish_take_no_decode_stream_when_headers_are_held()
         drop(stalled);
     }
 }
+
+/// Envoy honours `x-envoy-retry-on` and `x-envoy-max-retries` from requests it takes for
+/// internal ones. A client that got its decode request retried would have decode pull
+/// prefill's KV again after the first decode had it, and multiply decode's work: whatever
+/// address it claims, decode gets the request once.
+#[tokio::test]
+async fn a_clients_envoy_retry_headers_never_send_decode_the_request_twice() {
+    for forwarded_for in [None, Some("10.0.0.1"), Some("127.0.0.1")] {
+        let id = unique_id("client-retry");
+        let mut request = Request::post("default", "/v1/completions")
+            .id(&id)
+            .header(
+                "x-envoy-retry-on",
+                "5xx,reset,connect-failure,retriable-4xx",
+            )
+            .header("x-envoy-max-retries", "5")
+            .header("x-envoy-retriable-status-codes", "500")
+            .body(
+                json!({"model": "m", "prompt": "retry me mock:decode_status=500", "max_tokens": 4})
+                    .to_string(),
+            );
+        if let Some(address) = forwarded_for {
+            request = request.header("x-forwarded-for", address);
+        }
+        let reply = request.send().await;
+        assert_eq!(reply.status, 500, "{forwarded_for:?}: {}", reply.body);
+        assert_eq!(
+            decoded(&id).len(),
+            1,
+            "{forwarded_for:?}: decode got it again"
+        );
+        assert_eq!(prefilled(&id).len(), 1, "{forwarded_for:?}");
+    }
+    assert_still_serves("default").await;
+}
