@@ -438,6 +438,15 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
                     .on_host_failure(HostFailure::ReplaceRequestBody);
             }
         }
+        Command::ReadRequestBody => {
+            let body = host::buffer(BufferType::HttpRequestBody, 0, usize::MAX)
+                .map_err(|status| {
+                    log::debug!("[{}] get_buffer(HttpRequestBody): {status:?}", request_id())
+                })
+                .ok();
+            let now = host::now().unwrap_or(UNIX_EPOCH);
+            return session.borrow_mut().on_request_body_reread(body, now);
+        }
         Command::ResumeRequest => {
             if let Err(status) = host::resume_request() {
                 log::error!(

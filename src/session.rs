@@ -22,7 +22,7 @@ use crate::protocol::scheduling::{
 use crate::protocol::usage::{merge_answer, prompt_usage, EventStream, PromptUsage};
 use crate::protocol::{
     check_content_type, is_vllm_json, media_type, prepare, read_prefill_answer, ClientError,
-    DecodePlan, FailureKind, PrefillAnswer, PrefillFailure,
+    DecodePlan, FailureKind, PrefillAnswer, PrefillFailure, PreparedRequest,
 };
 use crate::request_id::new_request_id;
 
@@ -70,6 +70,9 @@ pub enum Command {
         body: Vec<u8>,
         replaced_len: usize,
     },
+    /// Reads the whole request body Envoy holds and hands it to
+    /// [`Session::on_request_body_reread`].
+    ReadRequestBody,
     /// Lets a paused request go on to decode.
     ResumeRequest,
     /// Sends a call to decode that frees prefill's KV for a request whose decode leg will
@@ -186,6 +189,13 @@ enum State {
         prefill: Prefill,
         token: u32,
     },
+    /// A failed attempt is to be retried: the client's body is being read again from
+    /// Envoy's buffer to write the prefill call anew.
+    RereadingForRetry {
+        prefill: Prefill,
+        failure: PrefillFailure,
+        budget_left: Duration,
+    },
     /// The client left while prefill was working: the KV it makes is released.
     Abandoned {
         prefill: Prefill,
@@ -269,10 +279,45 @@ struct Pending {
     scheduled_hosts: Vec<SocketAddr>,
 }
 
+/// What the filter keeps of the client's body while prefill works. Envoy holds the body
+/// until the request resumes; the filter keeps its own copy only when decode's edit needs
+/// more than the head, and reads the body again from Envoy for a retry. So a request in
+/// prefill costs its body once, in Envoy's heap, where the overload manager sees it.
+enum HeldBody {
+    Whole(Vec<u8>),
+    /// The first bytes, up to where prefill's `kv_transfer_params` go in.
+    Head(Vec<u8>),
+}
+
+impl HeldBody {
+    fn keep(body: Vec<u8>, plan: &DecodePlan) -> HeldBody {
+        match plan.head_len() {
+            Some(len) if len < body.len() => {
+                HeldBody::Head(body.get(..len).unwrap_or_default().to_vec())
+            }
+            _ => HeldBody::Whole(body),
+        }
+    }
+
+    /// The bytes kept: all of the body, or enough of it for decode's edit.
+    fn bytes(&self) -> &[u8] {
+        match self {
+            HeldBody::Whole(body) | HeldBody::Head(body) => body,
+        }
+    }
+
+    fn whole(self) -> Option<Vec<u8>> {
+        match self {
+            HeldBody::Whole(body) => Some(body),
+            HeldBody::Head(_) => None,
+        }
+    }
+}
+
 /// The prefill leg of one request, across its attempts.
 struct Prefill {
     api: Api,
-    original: Vec<u8>,
+    original: HeldBody,
     model: Option<String>,
     decode: DecodePlan,
     cluster: String,
@@ -557,7 +602,7 @@ impl Session {
         };
         let prefill = Prefill {
             api: pending.api,
-            original: body,
+            original: HeldBody::keep(body, &prepared.decode),
             model: prepared.model,
             decode: prepared.decode,
             cluster,
@@ -638,7 +683,7 @@ impl Session {
                 );
                 let unread = UnreadKv {
                     api: prefill.api,
-                    original: Some(prefill.original),
+                    original: prefill.original.whole(),
                     model: prefill.model,
                     kv_transfer_params: kv.to_vec(),
                     headers: prefill.prefill_headers,
@@ -679,7 +724,7 @@ impl Session {
                     commands.extend(self.reject(&refusal));
                     let unread = UnreadKv {
                         api: prefill.api,
-                        original: Some(prefill.original),
+                        original: prefill.original.whole(),
                         model: prefill.model,
                         kv_transfer_params: kv.to_vec(),
                         headers: prefill.prefill_headers,
@@ -695,7 +740,7 @@ impl Session {
                 let decoded = Metric::Request(prefill.api, Outcome::Decoded);
                 commands.push(Command::Record(decoded));
                 // Usually only the head of the body Envoy holds changes.
-                let edit = prefill.decode.edit_with_kv(&prefill.original, kv);
+                let edit = prefill.decode.edit_with_kv(prefill.original.bytes(), kv);
                 commands.push(Command::ReplaceRequestBody {
                     body: edit.head,
                     replaced_len: edit.replaced_len,
@@ -744,7 +789,7 @@ impl Session {
     /// A failed attempt: retried while retries and time are left, then the policy decides.
     fn prefill_failed(
         &mut self,
-        mut prefill: Prefill,
+        prefill: Prefill,
         failure: PrefillFailure,
         now: SystemTime,
     ) -> Vec<Command> {
@@ -760,25 +805,85 @@ impl Session {
         let oversized_maybe =
             failure.kind == FailureKind::Reset && prefill.decode.prompt_logprobs_from_prefill;
         let retry = failure.is_retryable() && !oversized_maybe;
-        if let Some(budget_left) =
+        let Some(budget_left) =
             budget_left.filter(|_| retry && prefill.attempt < config.prefill_retries)
-        {
-            // The prefill body is rebuilt rather than kept: retries are rare, memory is not.
-            if let Ok(prepared) = prepare(prefill.api, &prefill.original) {
-                prefill.attempt += 1;
-                log::info!(
-                    "[{}] prefill attempt {} failed ({}): {}; retrying",
-                    self.request_id,
-                    prefill.attempt,
-                    failure.kind.name(),
-                    failure.error.message
-                );
-                let call = prefill.call(prepared.prefill_body, budget_left);
-                self.state = State::Dispatching(prefill);
-                return vec![Command::DispatchPrefill(call)];
+        else {
+            return self.give_up(prefill, &failure, now);
+        };
+        // The prefill body is rebuilt rather than kept: retries are rare, memory is not.
+        match &prefill.original {
+            HeldBody::Whole(original) => {
+                let prepared = prepare(prefill.api, original);
+                self.retry(prefill, prepared, failure, budget_left, now)
+            }
+            HeldBody::Head(_) => {
+                self.state = State::RereadingForRetry {
+                    prefill,
+                    failure,
+                    budget_left,
+                };
+                vec![Command::ReadRequestBody]
             }
         }
-        self.give_up(prefill, &failure, now)
+    }
+
+    /// The client's body as Envoy holds it, read again for a retry (`None`: it could not
+    /// be read).
+    pub fn on_request_body_reread(
+        &mut self,
+        body: Option<Vec<u8>>,
+        now: SystemTime,
+    ) -> Vec<Command> {
+        let (prefill, failure, budget_left) =
+            match std::mem::replace(&mut self.state, State::PassThrough) {
+                State::RereadingForRetry {
+                    prefill,
+                    failure,
+                    budget_left,
+                } => (prefill, failure, budget_left),
+                other => {
+                    self.state = other;
+                    return Vec::new();
+                }
+            };
+        match body {
+            Some(body) => {
+                let prepared = prepare(prefill.api, &body);
+                self.retry(prefill, prepared, failure, budget_left, now)
+            }
+            None => {
+                log::debug!(
+                    "[{}] the body could not be read again for a retry",
+                    self.request_id
+                );
+                self.give_up(prefill, &failure, now)
+            }
+        }
+    }
+
+    /// The next attempt, with the prefill body written anew.
+    fn retry(
+        &mut self,
+        mut prefill: Prefill,
+        prepared: Result<PreparedRequest, ClientError>,
+        failure: PrefillFailure,
+        budget_left: Duration,
+        now: SystemTime,
+    ) -> Vec<Command> {
+        let Ok(prepared) = prepared else {
+            return self.give_up(prefill, &failure, now);
+        };
+        prefill.attempt += 1;
+        log::info!(
+            "[{}] prefill attempt {} failed ({}): {}; retrying",
+            self.request_id,
+            prefill.attempt,
+            failure.kind.name(),
+            failure.error.message
+        );
+        let call = prefill.call(prepared.prefill_body, budget_left);
+        self.state = State::Dispatching(prefill);
+        vec![Command::DispatchPrefill(call)]
     }
 
     /// No more attempts: the client gets the error, or decode recomputes if so configured.
@@ -839,10 +944,11 @@ impl Session {
             Command::Record(Metric::DecodeOnlyFallback),
             Command::Record(Metric::Request(prefill.api, Outcome::DecodeOnly)),
         ];
-        if let Some(body) = prefill.decode.body_without_kv(&prefill.original) {
+        // Only a client body with `kv_transfer_params` changes, and that one is kept whole.
+        if let Some(body) = prefill.decode.body_without_kv(prefill.original.bytes()) {
             commands.push(Command::ReplaceRequestBody {
                 body,
-                replaced_len: prefill.original.len(),
+                replaced_len: prefill.original.bytes().len(),
             });
         }
         commands.push(Command::ResumeRequest);

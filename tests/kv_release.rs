@@ -106,10 +106,9 @@ async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
         let releases = releases(id);
         assert!(h.decode_requests(id).is_empty(), "{id}: decode served it");
         assert_eq!(releases.len(), 1, "{id}");
-        assert_eq!(
-            releases[0]["prompt"],
-            "left early mock:prefill_delay_ms=1500"
-        );
+        // The filter keeps no copy of the body while prefill works, and the client's is gone
+        // with it: the release is one token of prompt on the same KV.
+        assert_eq!(releases[0]["prompt"], json!([0]), "{id}");
         assert_eq!(releases[0]["kv_transfer_params"]["do_remote_prefill"], true);
     }
     assert_eq!(h.counter(KV_RELEASED), released_before + 100);

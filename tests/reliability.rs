@@ -118,17 +118,20 @@ async fn a_prefill_hanging_past_the_timeout_is_504_and_its_late_answer_never_rea
 
 #[tokio::test]
 async fn a_prefill_reset_before_answering_is_503() {
-    let id = unique_id("prefill-reset");
-    assert_refused(
-        "default",
-        COMPLETIONS,
-        &id,
-        completion("x mock:prefill_reset"),
-        503,
-        "reset",
-    )
-    .await;
-    assert_still_serves("default").await;
+    let h = harness();
+    // As shipped (headers held) and as under Istio (headers passed): the retry reads the
+    // body again from Envoy's buffer and sends prefill the same one-token request.
+    for listener in ["default", "passed"] {
+        let id = unique_id("prefill-reset");
+        let body = completion("x mock:prefill_reset");
+        assert_refused(listener, COMPLETIONS, &id, &body, 503, "reset").await;
+        let attempts = h.prefill_requests(&id);
+        assert_eq!(attempts.len(), 2, "{listener}: one attempt and one retry");
+        for attempt in &attempts {
+            assert_prefill_got(COMPLETIONS, &body, attempt);
+        }
+        assert_still_serves(listener).await;
+    }
 }
 
 #[tokio::test]

@@ -112,7 +112,17 @@ async fn a_failed_scheduled_host_is_retried_on_the_next_one() {
     );
     let body = json!({"prompt": "second time lucky", "max_tokens": 2}).to_string();
     let pair = Pair::of(&h.prefill_b, &h.decode);
+    let headers = [("x-prefiller-host-port", hosts.clone())];
+    assert_served_by(pair, "scheduled", &id, &headers, &body).await;
+
+    // The filter keeps no copy of the body while prefill works: the retry reads it again
+    // from Envoy's buffer, whole, however large.
+    let id = unique_id("scheduled-retry-large");
+    let prompt = format!("second time lucky {}", "many words ".repeat(300_000));
+    let body = json!({"prompt": prompt, "max_tokens": 2, "min_tokens": 1}).to_string();
+    assert!(body.len() > 3_000_000);
     let headers = [("x-prefiller-host-port", hosts)];
+    let pair = Pair::of(&h.prefill_b, &h.decode);
     assert_served_by(pair, "scheduled", &id, &headers, &body).await;
 }
 

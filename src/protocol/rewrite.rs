@@ -89,6 +89,14 @@ impl DecodePlan {
         self.with_kv.len(kv_len)
     }
 
+    /// How many of the client's first bytes decode's edit reads, when that is not all of
+    /// them: prefill's `kv_transfer_params` go in as the first member, and the rest of the
+    /// body can stay in Envoy's buffer. `None` when the edit needs the whole body.
+    pub fn head_len(&self) -> Option<usize> {
+        self.first_member
+            .map(|after_brace| self.json_start + after_brace)
+    }
+
     /// Decode's body as an edit of the client's `original`: the client's bytes with
     /// `kv_transfer_params` set to prefill's. Where the client sent none, they go in as the
     /// first member and only the head is written; else the whole body is.

@@ -372,6 +372,23 @@ fn prefilling_body(config: &str, body: &str) -> Session {
     s
 }
 
+/// The prefill answer, with what the adapter does for a retry: the body Envoy holds is
+/// read again (`body`), and the session writes the next call from it.
+fn answer_retrying(
+    s: &mut Session,
+    token: u32,
+    status: Option<u16>,
+    answer: &[u8],
+    body: &str,
+    now: SystemTime,
+) -> Vec<Command> {
+    let commands = s.on_prefill_answer(token, status, answer, now);
+    if commands == [Command::ReadRequestBody] {
+        return s.on_request_body_reread(Some(body.as_bytes().to_vec()), now);
+    }
+    commands
+}
+
 #[test]
 fn a_client_that_leaves_during_prefill_has_its_kv_released() {
     let mut s = prefilling("");
@@ -382,13 +399,26 @@ fn a_client_that_leaves_during_prefill_has_its_kv_released() {
     assert_eq!(release["kv_transfer_params"], kv);
     assert_eq!(release["max_tokens"], 1);
     assert_eq!(release["stream"], false);
-    assert_eq!(release["prompt"], "x");
+    // The filter kept only the head of the body during prefill: the release is the
+    // smallest request that takes the KV.
+    assert_eq!(release["prompt"], serde_json::json!([0]));
     assert!(!has_reply(&commands));
     assert!(!commands.contains(&Command::ResumeRequest));
     // Nothing twice.
     assert!(s
         .on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(901))
         .is_empty());
+
+    // A body the filter kept whole (the client sent kv_transfer_params of its own, which
+    // decode's edit replaces) gives a release for the client's own prompt.
+    let mut s = prefilling_body(
+        "",
+        r#"{"prompt":"x","max_tokens":50,"kv_transfer_params":{"remote_host":"6.6.6.6"}}"#,
+    );
+    s.on_client_gone();
+    let release = released(&s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(9)));
+    assert_eq!(release["prompt"], "x");
+    assert_eq!(release["kv_transfer_params"], kv);
 
     // Gone before the call went out: released once it answers.
     let mut s = session("");
@@ -564,7 +594,14 @@ fn retries_go_to_the_next_scheduled_host_within_the_time_budget() {
     for token in 1..=3 {
         s.on_prefill_dispatched(Some(token), at(now));
         now += 100;
-        let commands = s.on_prefill_answer(token, Some(503), b"no healthy upstream", at(now));
+        let commands = answer_retrying(
+            &mut s,
+            token,
+            Some(503),
+            b"no healthy upstream",
+            r#"{"prompt":"x"}"#,
+            at(now),
+        );
         let call = dispatched(&commands);
         seen.push(call_header(call, ORIGINAL_DST_HEADER).unwrap().to_owned());
         assert_eq!(call.timeout, Duration::from_millis(1000 - now));
@@ -584,6 +621,46 @@ fn retries_go_to_the_next_scheduled_host_within_the_time_budget() {
             Metric::Request(Api::Completions, Outcome::PrefillFailed),
         ]
     );
+}
+
+#[test]
+fn a_retry_reads_the_body_envoy_holds_again() {
+    let body = r#"{"model":"m","prompt":"x","max_tokens":40,"min_tokens":2,"stream":true}"#;
+    let mut s = prefilling_body("", body);
+    // Only the head of the body was kept: the retry asks for the body Envoy holds.
+    let commands = s.on_prefill_answer(1, Some(503), b"no healthy upstream", at(5));
+    assert_eq!(commands, [Command::ReadRequestBody]);
+    let commands = s.on_request_body_reread(Some(body.as_bytes().to_vec()), at(5));
+    let call = dispatched(&commands);
+    let prefill: Value = serde_json::from_slice(&call.body).unwrap();
+    assert_eq!(prefill["prompt"], "x");
+    assert_eq!(prefill["max_tokens"], 1);
+    assert!(prefill.get("min_tokens").is_none(), "{prefill}");
+    // The retry is served like the first attempt: decode gets the client's own limits.
+    s.on_prefill_dispatched(Some(2), at(6));
+    let commands = s.on_prefill_answer(2, Some(200), prefill_ok().as_bytes(), at(9));
+    let decode = replaced_body(body, &commands).unwrap();
+    assert_eq!(decode["max_tokens"], 40);
+    assert_eq!(decode["min_tokens"], 2);
+    assert_eq!(decode["stream"], true);
+    assert!(decode["kv_transfer_params"].is_object());
+
+    // A body that cannot be read again ends the request with prefill's failure.
+    let mut s = prefilling_body("", body);
+    s.on_prefill_answer(1, Some(503), b"no healthy upstream", at(5));
+    let commands = s.on_request_body_reread(None, at(5));
+    assert_eq!(reply(&commands).0, 503);
+    // A body read when no retry waits for one changes nothing.
+    assert!(s
+        .on_request_body_reread(Some(body.as_bytes().to_vec()), at(6))
+        .is_empty());
+
+    // A body kept whole (the client sent kv_transfer_params, which decode's edit replaces)
+    // is retried without reading it again.
+    let whole = r#"{"prompt":"x","kv_transfer_params":{"remote_host":"6.6.6.6"}}"#;
+    let mut s = prefilling_body("", whole);
+    let commands = s.on_prefill_answer(1, Some(503), b"no healthy upstream", at(5));
+    dispatched(&commands);
 }
 
 #[test]
@@ -1497,8 +1574,9 @@ fn a_reset_prefill_call_with_prompt_logprobs_is_not_sent_again() {
     );
     assert_eq!(reply(&commands).0, 502);
     // Without prompt logprobs, a reset is tried again.
-    let mut s = prefilling_body("", r#"{"prompt":"x","max_tokens":5}"#);
-    let commands = s.on_prefill_answer(1, None, b"", at(5));
+    let body = r#"{"prompt":"x","max_tokens":5}"#;
+    let mut s = prefilling_body("", body);
+    let commands = answer_retrying(&mut s, 1, None, b"", body, at(5));
     assert!(commands
         .iter()
         .any(|c| matches!(c, Command::DispatchPrefill(_))));
