@@ -643,18 +643,19 @@ impl Context for PdRequest {
 
     fn on_done(&mut self) -> bool {
         let awaits_decode = self.request.session.borrow().awaits_decode_answer();
-        let release = if awaits_decode && !decode_was_connected() {
+        let clock = Clock::default();
+        let release = if awaits_decode {
             self.request
                 .session
                 .borrow_mut()
-                .on_decode_never_connected()
+                .on_client_left_before_decode_answered(clock.now(), decode_was_connected)
         } else {
             Vec::new()
         };
         self.request.alive.set(false);
         self.request.session.borrow_mut().on_client_gone();
         self.worker
-            .act_on(&self.request, release, In::Request, &Clock::default());
+            .act_on(&self.request, release, In::Request, &clock);
         true
     }
 }

@@ -26,6 +26,15 @@ use crate::protocol::{
 };
 use crate::request_id::new_request_id;
 
+/// How long after a request went on to decode the filter cannot tell whether decode has
+/// read it. Envoy may hold a connection to decode while the request is still in its own
+/// buffers, or unread in decode's socket: a client that leaves then takes the request with
+/// it, and prefill's KV with it. vLLM reads a request within milliseconds unless its server
+/// is stalled, and answers a stream's headers as soon as it has read it; a client that
+/// leaves later left a request decode had. Kept short: a release for a request decode did
+/// read makes vLLM's prefill log an error for the unknown notification.
+const DELIVERY_WINDOW: Duration = Duration::from_secs(2);
+
 /// Room left for the rest of decode's answer when prefill's prompt logprobs go into it; an
 /// answer that still outgrows the limit goes on as decode wrote it.
 const REST_OF_ANSWER: usize = 64 * 1024;
@@ -205,6 +214,8 @@ enum State {
     /// turns out never to have taken the request.
     Decoding {
         prefill_time: Option<Duration>,
+        /// When the request went on to decode.
+        resumed_at: SystemTime,
         unread_kv: Option<UnreadKv>,
         /// Prefill's prompt counts, to put into decode's usage.
         prompt_usage: Option<(Api, PromptUsage)>,
@@ -762,6 +773,7 @@ impl Session {
                     prefill.decode.stream_usage_asked || config.decode_forces_include_usage;
                 self.state = State::Decoding {
                     prefill_time,
+                    resumed_at: now,
                     unread_kv,
                     prompt_usage,
                     stream_usage,
@@ -954,6 +966,7 @@ impl Session {
         commands.push(Command::ResumeRequest);
         self.state = State::Decoding {
             prefill_time: Some(prefill.elapsed(now)),
+            resumed_at: now,
             unread_kv: None,
             prompt_usage: None,
             stream_usage: false,
@@ -1025,6 +1038,7 @@ impl Session {
             stream_usage,
             prompt_logprobs,
             answer,
+            ..
         } = &mut self.state
         else {
             return Step::new(Flow::Continue, vec![]);
@@ -1232,7 +1246,8 @@ impl Session {
     }
 
     /// Whether the request went on to decode and decode has not answered: when the client
-    /// leaves now, [`Session::on_decode_never_connected`] says whether decode can have it.
+    /// leaves now, [`Session::on_client_left_before_decode_answered`] says whether decode can
+    /// have it.
     pub fn awaits_decode_answer(&self) -> bool {
         matches!(
             self.state,
@@ -1243,23 +1258,45 @@ impl Session {
         )
     }
 
-    /// The client left before Envoy had a connection to decode for the request: decode never
-    /// got it, and the KV prefill made for it is released. A stream that had a connection may
-    /// have delivered the request, whose cancellation vLLM's own abort path reports to
-    /// prefill.
-    pub fn on_decode_never_connected(&mut self) -> Vec<Command> {
+    /// The client left while decode had not answered. The KV prefill made is released when
+    /// decode may not have read the request: Envoy never had a connection to decode for it
+    /// (`decode_connected`, asked only when needed), or the client left within
+    /// [`DELIVERY_WINDOW`] of the request going on. Later, a stream with a connection has
+    /// delivered the request, whose cancellation vLLM's own abort path reports to prefill. A
+    /// release for a request decode did read costs one token on one block of KV, and prefill
+    /// logs a notification it does not know.
+    pub fn on_client_left_before_decode_answered(
+        &mut self,
+        now: SystemTime,
+        decode_connected: impl FnOnce() -> bool,
+    ) -> Vec<Command> {
         let Some(config) = self.config.clone() else {
             return Vec::new();
         };
-        let unread = match &mut self.state {
-            State::Decoding { unread_kv, .. } => unread_kv.take(),
-            _ => None,
+        let State::Decoding {
+            unread_kv,
+            resumed_at,
+            ..
+        } = &mut self.state
+        else {
+            return Vec::new();
         };
-        let Some(unread) = unread else {
+        if unread_kv.is_none() {
+            return Vec::new();
+        }
+        let since_resumed = now.duration_since(*resumed_at).unwrap_or_default();
+        let reason = if since_resumed < DELIVERY_WINDOW {
+            "before decode can be known to have read the request"
+        } else if !decode_connected() {
+            "before decode was connected"
+        } else {
+            return Vec::new();
+        };
+        let Some(unread) = unread_kv.take() else {
             return Vec::new();
         };
         log::debug!(
-            "[{}] the client left before decode was connected; releasing the KV",
+            "[{}] the client left {reason}; releasing the KV",
             self.request_id
         );
         self.release(&config, unread).into_iter().collect()

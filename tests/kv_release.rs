@@ -266,16 +266,17 @@ async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(reply.header("x-mock-kv"), Some("reused"));
 
-    // A stream that the client drops after its first bytes: decode has the KV already.
+    // A stream that the client drops after its first events, as vLLM answers a stream: its
+    // headers at once, then a token at a time. Decode has the KV already.
     let streamed = unique_id("mid-stream");
     let body = json!({"model": "m", "prompt": "stream then leave", "max_tokens": 200,
-                      "stream": true, "mock:decode_delay_ms=300": true})
+                      "stream": true, "mock:decode_token_delay_ms=50": true})
     .to_string();
     let request = Request::post("default", COMPLETIONS)
         .id(&streamed)
         .body(body)
         .try_send();
-    let _ = tokio::time::timeout(Duration::from_millis(150), request).await;
+    let _ = tokio::time::timeout(Duration::from_millis(300), request).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
 
     for id in [&served, &streamed] {
@@ -287,4 +288,62 @@ async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
         Ok(())
     );
     assert_eq!(h.counter(KV_RELEASED), released_before);
+
+    // A client that leaves while decode has not answered, within moments of the request
+    // going on: whether decode read it cannot be told, so a release goes out. Here decode
+    // had it: the release is the one-token duplicate, and nothing is stranded either way.
+    let unanswered = unique_id("unanswered");
+    let body = json!({"model": "m", "prompt": "leave before the headers", "max_tokens": 5,
+                      "mock:decode_delay_ms=600": true})
+    .to_string();
+    let request = Request::post("default", COMPLETIONS)
+        .id(&unanswered)
+        .body(body)
+        .try_send();
+    let _ = tokio::time::timeout(Duration::from_millis(150), request).await;
+    wait_for_a_release(&unanswered, Duration::from_secs(5)).await;
+    assert_eq!(releases(&unanswered).len(), 1);
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+}
+
+/// Envoy was connected to decode, but decode had not read the request when the client left:
+/// Envoy closes the connection, the request goes with it, and only a release frees the KV.
+/// Found by a fault soak (a decode slow to read its requests); before, the connection alone
+/// counted as "decode has it".
+#[tokio::test]
+async fn a_client_that_leaves_before_decode_read_its_request_strands_no_kv() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    wait_until_nothing_is_stranded(Duration::from_secs(5))
+        .await
+        .expect("a clean ledger to start from");
+    let released_before = h.counter(KV_RELEASED);
+    let ids: Vec<String> = (0..10).map(|_| unique_id("unread")).collect();
+    let mut clients = Vec::new();
+    for id in &ids {
+        let id = id.clone();
+        clients.push(tokio::spawn(async move {
+            post("decode_deaf", &id, "decode never reads this")
+                .leave_after(Duration::from_millis(300))
+                .await
+        }));
+    }
+    for client in clients {
+        assert!(!client.await.unwrap(), "a deaf decode answered");
+    }
+    for id in &ids {
+        assert_eq!(h.prefill_requests(id).len(), 1, "{id}");
+        wait_for_a_release(id, Duration::from_secs(5)).await;
+        assert_eq!(releases(id).len(), 1, "{id}");
+    }
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(()),
+        "KV stranded on prefill for requests decode never read"
+    );
+    assert_eq!(h.counter(KV_RELEASED), released_before + 10);
+    assert_filter_healthy();
 }

@@ -421,8 +421,11 @@ async fn inference(
     if role == Role::Decode && !refused {
         // A decode worker takes the KV as soon as it has the request; one cancelled later
         // still tells prefill (vLLM's abort path), so the KV counts as read from here.
+        // Its own task: a request whose connection closes now (the client left) has still
+        // been received, and its KV still read.
         let request: Value = serde_json::from_slice(&body).unwrap_or_default();
-        read_remote_kv(request.get("kv_transfer_params")).await;
+        let kv = request.get("kv_transfer_params").cloned();
+        let _ = tokio::spawn(async move { read_remote_kv(kv.as_ref()).await }).await;
     }
     if let Some(ms) = faults.delay_ms {
         tokio::time::sleep(Duration::from_millis(ms)).await;

@@ -507,14 +507,37 @@ fn kv_is_released_only_when_decode_never_took_the_request() {
 }
 
 #[test]
-fn kv_is_released_when_the_client_leaves_before_decode_was_connected() {
+fn kv_is_released_when_the_client_leaves_before_decode_can_have_read_the_request() {
+    let window = 2_000;
+    let connected = || true;
+    let never_asked = || -> bool { panic!("the connection need not be looked at") };
+    // Within the window after the request went on: released, connection or not.
     let mut s = prefilling("");
     assert!(!s.awaits_decode_answer(), "prefill still working");
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(s.awaits_decode_answer());
-    released(&s.on_decode_never_connected());
+    released(&s.on_client_left_before_decode_answered(at(5 + window - 1), never_asked));
     assert!(!s.awaits_decode_answer(), "released once");
-    assert!(s.on_decode_never_connected().is_empty());
+    assert!(s
+        .on_client_left_before_decode_answered(at(6), never_asked)
+        .is_empty());
+    // Later: only when decode was never connected.
+    for (connected_then, releases) in [(false, true), (true, false)] {
+        let mut s = prefilling("");
+        s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+        let commands = s.on_client_left_before_decode_answered(at(5 + window), || connected_then);
+        assert_eq!(
+            has_release(&commands),
+            releases,
+            "connected: {connected_then}"
+        );
+    }
+    // Switched off with the rest of the releases.
+    let mut s = prefilling(r#"{"release_kv_on_abandon":false}"#);
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert!(s
+        .on_client_left_before_decode_answered(at(6), connected)
+        .is_empty());
 
     // Decode answered: it has the KV.
     let mut s = prefilling("");

@@ -36,6 +36,9 @@ pub enum DecodeRoute {
     /// To a port that never completes a connection: Envoy gives up after its connect
     /// timeout (1 s), long after prefill answered.
     Blackholed,
+    /// To a server that takes connections and never reads from them: Envoy is connected, but
+    /// decode never reads the request.
+    Deaf,
     /// To the mock decode through a cluster of the listener's own, whose stats count only
     /// that listener's decode streams.
     Counted(&'static str),
@@ -142,6 +145,11 @@ pub const LISTENERS: &[Listener] = &[
     Listener {
         decode_route: DecodeRoute::Unreachable,
         ..plain("release_retry", r#"{"decode_cluster":"decode_late"}"#)
+    },
+    // Decode is connected but never reads the request; releases go to `decode`.
+    Listener {
+        decode_route: DecodeRoute::Deaf,
+        ..plain("decode_deaf", "")
     },
     // Decode's connection times out after prefill answered; releases go to `decode`.
     Listener {
@@ -310,6 +318,7 @@ fn start() -> Harness {
             decode_b: mocks[3].port(),
             closed: closed_port(),
             blackhole: blackhole_port(),
+            deaf: deaf_port(),
             late: closed_port(),
         };
         let envoy = start_envoy(&ports);
@@ -348,7 +357,23 @@ struct Ports {
     decode_b: u16,
     closed: u16,
     blackhole: u16,
+    deaf: u16,
     late: u16,
+}
+
+/// A local port whose server takes every connection and never reads from it: what a
+/// request looks like to Envoy when decode is too busy to read it. Lives as long as the
+/// test process.
+fn deaf_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    port
 }
 
 /// A local port whose accept queue is full and never drained: the kernel drops every new
@@ -615,6 +640,7 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         cluster_yaml("decode_b", "127.0.0.1", ports.decode_b),
         cluster_yaml("prefill_unreachable", "127.0.0.1", ports.closed),
         cluster_yaml("decode_blackhole", "127.0.0.1", ports.blackhole),
+        cluster_yaml("decode_deaf", "127.0.0.1", ports.deaf),
         cluster_yaml("decode_held", "127.0.0.1", ports.decode),
         cluster_yaml("decode_late", "127.0.0.1", ports.late),
         cluster_yaml("decode_passed", "127.0.0.1", ports.decode),
@@ -703,6 +729,11 @@ fn routes_yaml(route: DecodeRoute) -> String {
         DecodeRoute::Blackholed => {
             r#"              - match: { prefix: "/" }
                 route: { cluster: decode_blackhole, timeout: 0s }
+"#
+        }
+        DecodeRoute::Deaf => {
+            r#"              - match: { prefix: "/" }
+                route: { cluster: decode_deaf, timeout: 0s }
 "#
         }
         DecodeRoute::ByPickerHeader => {
