@@ -522,9 +522,10 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
     }
     let wants_kv =
         parsed.kv.as_ref().and_then(|kv| kv.get("do_remote_decode")) == Some(&Value::Bool(true));
+    // KV that is never sent is never issued: the ledger counts only what a decode could read.
     let kv = if faults.kv_not_object {
         json!("oops")
-    } else if faults.null_kv || !wants_kv {
+    } else if faults.null_kv || faults.no_kv || !wants_kv {
         Value::Null
     } else {
         let prompt_tokens = parsed.prompt_tokens();
