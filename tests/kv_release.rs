@@ -38,6 +38,29 @@ async fn wait_until_nothing_is_stranded(within: Duration) -> Result<(), u64> {
     }
 }
 
+/// `count` clients that each send `prompt` to `listener` and leave 300 ms later, before
+/// any answer; their request ids.
+async fn clients_that_leave(
+    count: usize,
+    listener: &'static str,
+    prompt: &'static str,
+) -> Vec<String> {
+    let ids: Vec<String> = (0..count).map(|_| unique_id("leaves")).collect();
+    let mut clients = Vec::new();
+    for id in &ids {
+        let id = id.clone();
+        clients.push(tokio::spawn(async move {
+            post(listener, &id, prompt)
+                .leave_after(Duration::from_millis(300))
+                .await
+        }));
+    }
+    for client in clients {
+        assert!(!client.await.unwrap(), "{listener}: answered within 300 ms");
+    }
+    ids
+}
+
 /// Waits until decode got a release for `id`, or the time is up.
 async fn wait_for_a_release(id: &str, within: Duration) {
     let deadline = Instant::now() + within;
@@ -80,20 +103,8 @@ async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
         .await
         .expect("a clean ledger to start from");
     let released_before = h.counter(KV_RELEASED);
-    let ids: Vec<String> = (0..100).map(|_| unique_id("leaves")).collect();
-    let mut clients = Vec::new();
-    for id in &ids {
-        let id = id.clone();
-        clients.push(tokio::spawn(async move {
-            // The client leaves while prefill works.
-            post("default", &id, "left early mock:prefill_delay_ms=1500")
-                .leave_after(Duration::from_millis(300))
-                .await
-        }));
-    }
-    for client in clients {
-        assert!(!client.await.unwrap(), "answered within 300 ms");
-    }
+    // The clients leave while prefill works.
+    let ids = clients_that_leave(100, "default", "left early mock:prefill_delay_ms=1500").await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let left = wait_until_nothing_is_stranded(Duration::from_secs(5)).await;
     assert_eq!(
@@ -301,12 +312,7 @@ async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
         .body(body)
         .try_send();
     let _ = tokio::time::timeout(Duration::from_millis(150), request).await;
-    wait_for_a_release(&unanswered, Duration::from_secs(5)).await;
-    assert_eq!(releases(&unanswered).len(), 1);
-    assert_eq!(
-        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
-        Ok(())
-    );
+    assert_released_once(&unanswered).await;
 }
 
 /// Envoy was connected to decode, but decode had not read the request when the client left:
@@ -321,29 +327,9 @@ async fn a_client_that_leaves_before_decode_read_its_request_strands_no_kv() {
         .await
         .expect("a clean ledger to start from");
     let released_before = h.counter(KV_RELEASED);
-    let ids: Vec<String> = (0..10).map(|_| unique_id("unread")).collect();
-    let mut clients = Vec::new();
+    let ids = clients_that_leave(10, "decode_deaf", "decode never reads this").await;
     for id in &ids {
-        let id = id.clone();
-        clients.push(tokio::spawn(async move {
-            post("decode_deaf", &id, "decode never reads this")
-                .leave_after(Duration::from_millis(300))
-                .await
-        }));
+        assert_released_once(id).await;
     }
-    for client in clients {
-        assert!(!client.await.unwrap(), "a deaf decode answered");
-    }
-    for id in &ids {
-        assert_eq!(h.prefill_requests(id).len(), 1, "{id}");
-        wait_for_a_release(id, Duration::from_secs(5)).await;
-        assert_eq!(releases(id).len(), 1, "{id}");
-    }
-    assert_eq!(
-        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
-        Ok(()),
-        "KV stranded on prefill for requests decode never read"
-    );
     assert_eq!(h.counter(KV_RELEASED), released_before + 10);
-    assert_filter_healthy();
 }

@@ -341,14 +341,19 @@ fn unreached(details: &'static str) -> ResponseHead<'static> {
     }
 }
 
-fn released(commands: &[Command]) -> Value {
-    let call = commands
+/// The release call among `commands`.
+fn release_call(commands: &[Command]) -> &HttpCall {
+    commands
         .iter()
         .find_map(|c| match c {
             Command::ReleaseKv(call) => Some(call),
             _ => None,
         })
-        .unwrap_or_else(|| panic!("no release in {commands:?}"));
+        .unwrap_or_else(|| panic!("no release in {commands:?}"))
+}
+
+fn released(commands: &[Command]) -> Value {
+    let call = release_call(commands);
     assert_eq!(call.cluster, "decode");
     assert_eq!(call.timeout, Duration::from_secs(30));
     assert_eq!(call_header(call, ORIGINAL_DST_HEADER), None);
@@ -861,14 +866,7 @@ fn a_models_kv_is_released_through_its_own_decode_pool() {
         s.on_prefill_dispatched(Some(1), at(0));
         s.on_client_gone();
         let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
-        let release = commands
-            .iter()
-            .find_map(|c| match c {
-                Command::ReleaseKv(call) => Some(call),
-                _ => None,
-            })
-            .unwrap_or_else(|| panic!("{model}: no release in {commands:?}"));
-        assert_eq!(release.cluster, decode_pool, "{model}");
+        assert_eq!(release_call(&commands).cluster, decode_pool, "{model}");
     }
 }
 
