@@ -19,7 +19,7 @@
 //! With `BENCH_STREAM_BY_EVENT` set, a stream goes out one event per write, as a generating
 //! vLLM sends it, so that a filter sees one chunk per event.
 //! `GET /stats` counts what it saw, so the bench can check that decode received the KV
-//! parameters prefill issued. Other `GET`s (a router's health checks) get `{}` and are not
+//! parameters prefill issued; the filter's KV releases are counted apart. Other `GET`s (a router's health checks) get `{}` and are not
 //! counted. Several addresses serve the same handler from the same threads: a router that
 //! keys its workers by URL (vllm-router) needs prefill and decode on distinct ports. No
 //! validation beyond that: it must not be the bottleneck.
@@ -124,6 +124,9 @@ fn stream_answer(prompt_tokens: usize, cached_tokens: usize, include_usage: bool
 static PREFILL: AtomicU64 = AtomicU64::new(0);
 static DECODE_WITH_KV: AtomicU64 = AtomicU64::new(0);
 static DECODE_WITHOUT_KV: AtomicU64 = AtomicU64::new(0);
+/// The filter's KV releases (`x-pd-kv-release`), for clients that left mid-request when a
+/// run ends: not decode legs of client requests.
+static RELEASES: AtomicU64 = AtomicU64::new(0);
 static BODY_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// Whether `needle` (which starts with `"`) occurs in `hay`. The tail is searched first, where
@@ -247,6 +250,7 @@ fn answer(status: StatusCode, content_type: &'static str, body: OnePiece) -> Res
 async fn handle(request: Request<Incoming>) -> Result<Response<OnePiece>, Infallible> {
     let is_get = request.method() == Method::GET;
     let is_stats = is_get && request.uri().path() == "/stats";
+    let is_release = request.headers().contains_key("x-pd-kv-release");
     // Read the whole body before answering, as vLLM does.
     let body = match request.into_body().collect().await {
         Ok(collected) => collected.to_bytes(),
@@ -254,10 +258,11 @@ async fn handle(request: Request<Incoming>) -> Result<Response<OnePiece>, Infall
     };
     if is_stats {
         let stats = format!(
-            r#"{{"prefill":{},"decode_with_kv":{},"decode_without_kv":{},"body_bytes":{}}}"#,
+            r#"{{"prefill":{},"decode_with_kv":{},"decode_without_kv":{},"releases":{},"body_bytes":{}}}"#,
             PREFILL.load(Ordering::Relaxed),
             DECODE_WITH_KV.load(Ordering::Relaxed),
             DECODE_WITHOUT_KV.load(Ordering::Relaxed),
+            RELEASES.load(Ordering::Relaxed),
             BODY_BYTES.load(Ordering::Relaxed),
         );
         return Ok(json(StatusCode::OK, stats));
@@ -271,7 +276,9 @@ async fn handle(request: Request<Incoming>) -> Result<Response<OnePiece>, Infall
         return Ok(json(StatusCode::OK, body::PREFILL_ANSWER));
     }
     let with_kv = contains_quoted(&body, ENGINE);
-    if with_kv {
+    if is_release {
+        RELEASES.fetch_add(1, Ordering::Relaxed);
+    } else if with_kv {
         DECODE_WITH_KV.fetch_add(1, Ordering::Relaxed);
     } else {
         DECODE_WITHOUT_KV.fetch_add(1, Ordering::Relaxed);
