@@ -257,11 +257,9 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
         json_start,
         prompt_logprobs_from_prefill: asks_prompt_logprobs,
         prompt_logprobs_copies: match api {
-            Api::Completions if asks_prompt_logprobs => object
-                .last_value("n")
-                .and_then(|n| std::str::from_utf8(n).ok()?.parse().ok())
-                .unwrap_or(1)
-                .max(1),
+            Api::Completions if asks_prompt_logprobs => {
+                object.last_value("n").and_then(lax_count).unwrap_or(1)
+            }
             _ => 1,
         },
         stream_usage_asked: !matches!(api, Api::Completions | Api::ChatCompletions)
@@ -455,6 +453,22 @@ fn batches_prompts(object: &JsonObject) -> bool {
     };
     let first = inner.iter().find(|byte| !byte.is_ascii_whitespace());
     matches!(first, Some(b'"' | b'[')) && several(prompt)
+}
+
+/// A count as pydantic reads an int in its lax mode, rounded up and at least 1: a number
+/// (`3`, `3.0`, `3e0`) or a string holding one (`"3"`). Read where a larger count only makes
+/// a size check stricter, so no spelling of it can make the check lenient.
+fn lax_count(value: &[u8]) -> Option<usize> {
+    let number = match value.first()? {
+        b'"' => serde_json::from_slice::<String>(value)
+            .ok()?
+            .trim()
+            .parse()
+            .ok()?,
+        _ => serde_json::from_slice::<f64>(value).ok()?,
+    };
+    // `as` saturates: an absurd count stays a huge one.
+    number.is_finite().then(|| (number.ceil() as usize).max(1))
 }
 
 /// Whether a tokens-in request asks for prompt logprobs (in its `sampling_params`).

@@ -1576,10 +1576,13 @@ fn prompt_logprobs_larger_than_an_answer_the_filter_holds_are_refused_before_dec
     let commands = s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
     assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
     // Completions put them into every choice: n copies must fit.
-    let many = r#"{"prompt":"x","max_tokens":5,"prompt_logprobs":1,"n":1000}"#;
-    let mut s = prefilling_body(roomy, many);
-    let commands = s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
-    assert_eq!(reply(&commands).0, 400);
+    // However the client spells n, as vLLM reads it.
+    for n in ["1000", "1000.0", "1e3", r#""1000""#, r#"" 1000 ""#] {
+        let many = format!(r#"{{"prompt":"x","max_tokens":5,"prompt_logprobs":1,"n":{n}}}"#);
+        let mut s = prefilling_body(roomy, &many);
+        let commands = s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+        assert_eq!(reply(&commands).0, 400, "n: {n}");
+    }
 }
 
 #[test]
