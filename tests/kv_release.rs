@@ -61,6 +61,14 @@ async fn clients_that_leave(
     ids
 }
 
+/// Waits for a ledger with nothing stranded; the releases counted so far.
+async fn releases_from_a_clean_ledger() -> u64 {
+    wait_until_nothing_is_stranded(Duration::from_secs(5))
+        .await
+        .expect("a clean ledger to start from");
+    harness().counter(KV_RELEASED)
+}
+
 /// Waits until decode got a release for `id`, or the time is up.
 async fn wait_for_a_release(id: &str, within: Duration) {
     let deadline = Instant::now() + within;
@@ -99,10 +107,7 @@ fn releases(id: &str) -> Vec<Value> {
 async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
     let _serial = SERIAL.lock().await;
     let h = harness();
-    wait_until_nothing_is_stranded(Duration::from_secs(5))
-        .await
-        .expect("a clean ledger to start from");
-    let released_before = h.counter(KV_RELEASED);
+    let released_before = releases_from_a_clean_ledger().await;
     // The clients leave while prefill works.
     let ids = clients_that_leave(100, "default", "left early mock:prefill_delay_ms=1500").await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -323,10 +328,7 @@ async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
 async fn a_client_that_leaves_before_decode_read_its_request_strands_no_kv() {
     let _serial = SERIAL.lock().await;
     let h = harness();
-    wait_until_nothing_is_stranded(Duration::from_secs(5))
-        .await
-        .expect("a clean ledger to start from");
-    let released_before = h.counter(KV_RELEASED);
+    let released_before = releases_from_a_clean_ledger().await;
     let ids = clients_that_leave(10, "decode_deaf", "decode never reads this").await;
     for id in &ids {
         assert_released_once(id).await;
