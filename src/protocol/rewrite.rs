@@ -460,11 +460,7 @@ fn batches_prompts(object: &JsonObject) -> bool {
 /// a size check stricter, so no spelling of it can make the check lenient.
 fn lax_count(value: &[u8]) -> Option<usize> {
     let number = match value.first()? {
-        b'"' => serde_json::from_slice::<String>(value)
-            .ok()?
-            .trim()
-            .parse()
-            .ok()?,
+        b'"' => serde_json::from_str(serde_json::from_slice::<String>(value).ok()?.trim()).ok()?,
         _ => serde_json::from_slice::<f64>(value).ok()?,
     };
     // `as` saturates: an absurd count stays a huge one.
