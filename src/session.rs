@@ -236,15 +236,23 @@ enum AnswerRewrite {
     /// Not at all.
     Untouched,
     /// A JSON answer, held whole and written again with merged usage. Its length, when
-    /// decode announced it, tells when it is whole before Envoy says the stream ended.
-    /// `headers_held`: the answer's headers wait for its body, so that the client gets the
-    /// rewritten answer's own `content-length`, as from vLLM; otherwise Envoy frames it.
-    Whole {
-        length: Option<usize>,
-        headers_held: bool,
-    },
+    /// decode announced it, tells when it is whole before Envoy says the stream ended; with
+    /// `hold_request_headers`, an announced length also holds the answer's headers for its
+    /// body ([`AnswerRewrite::holds_headers`]).
+    Whole { length: Option<usize> },
     /// Server-sent events, passed on as they come but for the usage event.
     Events(EventStream),
+}
+
+impl AnswerRewrite {
+    /// Whether the answer's headers wait for its body, so that the client gets the rewritten
+    /// answer's own `content-length`, as from vLLM; otherwise Envoy frames it. Holding
+    /// headers needs `allow_on_headers_stop_iteration`, which comes with
+    /// `hold_request_headers`: without it Envoy would hold the body from the filter too, and
+    /// the answer would never come.
+    fn holds_headers(&self, config: &Config) -> bool {
+        matches!(self, AnswerRewrite::Whole { length: Some(_) }) && config.hold_request_headers
+    }
 }
 
 /// What the response headers tell the session.
@@ -1070,20 +1078,14 @@ impl Session {
                 // Empty, or larger than any answer worth holding: as decode wrote it.
                 Some(0) => None,
                 Some(length) if length > config.max_request_body_bytes => None,
-                length => {
-                    // Holding headers needs `allow_on_headers_stop_iteration`, which comes
-                    // with `hold_request_headers`: without it Envoy would hold the body from
-                    // the filter too, and the answer would never come.
-                    let headers_held = length.is_some() && config.hold_request_headers;
-                    if headers_held {
-                        flow = Flow::Pause;
-                    }
-                    Some(AnswerRewrite::Whole {
-                        length,
-                        headers_held,
-                    })
-                }
+                length => Some(AnswerRewrite::Whole { length }),
             };
+        }
+        if rewrite
+            .as_ref()
+            .is_some_and(|rewrite| rewrite.holds_headers(&config))
+        {
+            flow = Flow::Pause;
         }
         if let Some(rewrite) = rewrite {
             // Headers that go on before the answer is rewritten cannot tell its length:
@@ -1136,7 +1138,7 @@ impl Session {
                 }
                 // Envoy gives decode's body, then the stream's end in a call of its own: an
                 // answer of the length announced is whole already, and is not held for it.
-                AnswerRewrite::Whole { length, .. } if end_of_stream || *length == Some(size) => {
+                AnswerRewrite::Whole { length } if end_of_stream || *length == Some(size) => {
                     BodyStep::ReadBody
                 }
                 AnswerRewrite::Whole { .. } => BodyStep::Step(Step::new(Flow::Pause, vec![])),
@@ -1157,13 +1159,13 @@ impl Session {
         else {
             return Step::new(Flow::Continue, vec![]);
         };
-        let mut headers_held = false;
+        let headers_held = self
+            .config
+            .as_ref()
+            .is_some_and(|config| answer.holds_headers(config));
         let rewritten = match answer {
             AnswerRewrite::Untouched => None,
-            AnswerRewrite::Whole {
-                headers_held: held, ..
-            } => {
-                headers_held = *held;
+            AnswerRewrite::Whole { .. } => {
                 // Read once, whole: what comes after (the stream's end) goes on as it is.
                 *answer = AnswerRewrite::Untouched;
                 let merged = prompt_usage
