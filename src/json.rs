@@ -341,12 +341,45 @@ impl Splice {
 /// The elements of a JSON array, each as the slice of `array` it is written in; `None` when
 /// `array` is not one.
 pub fn array_elements(array: &[u8]) -> Option<Vec<&[u8]>> {
-    let raw: Vec<&serde_json::value::RawValue> = serde_json::from_slice(array).ok()?;
-    Some(
-        raw.into_iter()
-            .map(|value| value.get().as_bytes())
-            .collect(),
-    )
+    let ranges = array_element_ranges(array)?;
+    Some(ranges.into_iter().map(|range| span(array, range)).collect())
+}
+
+/// Where each element of a JSON array lies in `array`; `None` when `array` is not one valid
+/// JSON array (surrounding whitespace allowed).
+pub fn array_element_ranges(array: &[u8]) -> Option<Vec<Range<usize>>> {
+    let mut scanner = Scanner {
+        bytes: array,
+        pos: 0,
+    };
+    scanner.skip_whitespace();
+    if scanner.peek() != Some(b'[') {
+        return None;
+    }
+    scanner.pos += 1;
+    let mut elements = Vec::new();
+    scanner.skip_whitespace();
+    if scanner.peek() == Some(b']') {
+        scanner.pos += 1;
+    } else {
+        loop {
+            scanner.skip_whitespace();
+            let start = scanner.pos;
+            scanner.value().ok()?;
+            elements.push(start..scanner.pos);
+            scanner.skip_whitespace();
+            match scanner.peek() {
+                Some(b',') => scanner.pos += 1,
+                Some(b']') => {
+                    scanner.pos += 1;
+                    break;
+                }
+                _ => return None,
+            }
+        }
+    }
+    scanner.skip_whitespace();
+    (scanner.pos == array.len()).then_some(elements)
 }
 
 /// The bytes of a range the parser produced (always in bounds).
@@ -884,6 +917,31 @@ mod tests {
                 ("c", r#""\u00e9""#)
             ]
         );
+    }
+
+    #[test]
+    fn finds_where_each_array_element_is_written() {
+        let text = r#" [ 1 , {"a": [2, "]"]} ,"x",[] , null ] "#;
+        let found: Vec<&str> = array_element_ranges(text.as_bytes())
+            .unwrap()
+            .into_iter()
+            .map(|range| &text[range])
+            .collect();
+        assert_eq!(found, ["1", r#"{"a": [2, "]"]}"#, r#""x""#, "[]", "null"]);
+        assert_eq!(array_element_ranges(b" [ ] "), Some(vec![]));
+        let not_arrays: [&[u8]; 8] = [
+            b"",
+            b"{}",
+            b"[1,]",
+            b"[,1]",
+            b"[1 2]",
+            b"[1]x",
+            b"[1",
+            b"[\"\xff\"]",
+        ];
+        for text in not_arrays {
+            assert_eq!(array_element_ranges(text), None, "{text:?}");
+        }
     }
 
     #[test]

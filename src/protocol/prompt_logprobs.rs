@@ -5,7 +5,7 @@
 //! every other byte of decode's answer stays where it was.
 
 use crate::api::Api;
-use crate::json::{array_elements, Edit, JsonObject};
+use crate::json::{array_element_ranges, array_elements, Edit, JsonObject};
 
 const PROMPT_LOGPROBS: &str = "prompt_logprobs";
 
@@ -35,11 +35,11 @@ pub fn into_answer(api: Api, answer: &[u8], logprobs: &[u8]) -> Option<Vec<u8>> 
             let choices = object.last_value("choices")?;
             let mut written = Vec::with_capacity(choices.len() + logprobs.len());
             let mut cursor = 0;
-            for choice in array_elements(choices)? {
-                let start = offset_in(choices, choice)?;
-                written.extend_from_slice(choices.get(cursor..start)?);
-                written.extend_from_slice(&with_member(&JsonObject::parse(choice).ok()?, logprobs));
-                cursor = start + choice.len();
+            for choice in array_element_ranges(choices)? {
+                written.extend_from_slice(choices.get(cursor..choice.start)?);
+                let object = JsonObject::parse(choices.get(choice.clone())?).ok()?;
+                written.extend_from_slice(&with_member(&object, logprobs));
+                cursor = choice.end;
             }
             written.extend_from_slice(choices.get(cursor..)?);
             let splice = object.splice_member("choices", Edit::Slot);
@@ -64,12 +64,6 @@ fn with_member(object: &JsonObject, logprobs: &[u8]) -> Vec<u8> {
         }
     };
     object.splice(edit, append).write(object.text(), logprobs)
-}
-
-/// Where `part`, a slice of `whole`, starts in it.
-fn offset_in(whole: &[u8], part: &[u8]) -> Option<usize> {
-    let offset = (part.as_ptr() as usize).checked_sub(whole.as_ptr() as usize)?;
-    (offset + part.len() <= whole.len()).then_some(offset)
 }
 
 #[cfg(test)]
