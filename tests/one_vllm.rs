@@ -123,6 +123,37 @@ async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
 }
 
 #[tokio::test]
+async fn usage_counted_right_by_vllm_itself_reaches_the_client_as_decode_wrote_it() {
+    // vLLM 0.33 and later hand prefill's cache hits to decode in kv_transfer_params
+    // (`remote_prefill_cached_tokens`), and decode reports them itself.
+    let h = harness();
+    for api in &APIS {
+        for stream in [false, true] {
+            let id = unique_id("usage-handed");
+            let sent = body(api, "count mock:prefill_hands_cached_tokens", stream);
+            let reply = post(api, &id, &sent).await;
+            let case = format!("{} stream={stream}", api.path);
+            assert_eq!(reply.status, 200, "{case}: {}", reply.body);
+            assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+            let handed = &h.only_decode(&id).json()["kv_transfer_params"];
+            assert_eq!(
+                handed["remote_prefill_cached_tokens"], PREFILL_CACHED,
+                "{case}"
+            );
+            let usage = client_usage(&reply.body);
+            assert_eq!(
+                usage[api.details]["cached_tokens"], PREFILL_CACHED,
+                "{case}: {usage}"
+            );
+            assert_eq!(usage[api.output], 5, "{case}: {usage}");
+            let (text, _, ended) = answer_text(&reply.body);
+            assert!(ended, "{case}");
+            assert_eq!(text, expected_decode_text("count", 5), "{case}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn usage_is_decodes_when_configured_so() {
     let id = unique_id("usage-decode");
     let sent = body(&APIS[0], "leave my usage", false);

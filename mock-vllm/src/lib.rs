@@ -325,6 +325,9 @@ struct Faults {
     huge: Option<u64>,
     /// Prefill: prompt tokens its prefix cache already held (`mock:prefill_cached_tokens=N`).
     cached_tokens: Option<u64>,
+    /// Prefill: hands its cache hits to decode in `kv_transfer_params`, as vLLM 0.33 does
+    /// (`mock:prefill_hands_cached_tokens`).
+    hands_cached_tokens: bool,
     /// Decode: the time between two streamed events (`mock:decode_token_delay_ms=N`).
     token_delay_ms: Option<u64>,
 }
@@ -350,6 +353,7 @@ impl Faults {
             non_json: prefill && flag("non_json"),
             huge: if prefill { num("huge") } else { None },
             cached_tokens: if prefill { num("cached_tokens") } else { None },
+            hands_cached_tokens: prefill && flag("hands_cached_tokens"),
             token_delay_ms: if prefill { None } else { num("token_delay_ms") },
         }
     }
@@ -548,6 +552,10 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
             "mock_prompt_fingerprint": parsed.fingerprint(),
         })
     };
+    let mut kv = kv;
+    if faults.hands_cached_tokens && kv.is_object() {
+        kv["remote_prefill_cached_tokens"] = json!(answer.cached_tokens);
+    }
     let mut object = answer.object();
     if parsed.prompt_logprobs.is_some() {
         let logprobs = parsed.prompt_logprobs_value();
@@ -587,11 +595,17 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     );
     let garbage = outcome == "mismatch";
     let tokens = proto::generate("decode", &parsed.prompt, parsed.limit, garbage);
-    // Like vLLM under P/D: the KV pulled from prefill counts as a prefix-cache hit.
-    let cached = if outcome == "reused" {
-        parsed.prompt_tokens()
-    } else {
-        0
+    // Like vLLM under P/D: the KV pulled from prefill counts as a prefix-cache hit, unless
+    // prefill handed over its own hits (vLLM 0.33 and later).
+    let prefills_hits = parsed
+        .kv
+        .as_ref()
+        .and_then(|kv| kv.get("remote_prefill_cached_tokens"))
+        .and_then(Value::as_u64);
+    let cached = match (outcome == "reused", prefills_hits) {
+        (true, Some(hits)) => hits,
+        (true, None) => parsed.prompt_tokens(),
+        (false, _) => 0,
     };
     let answer = answer(shared, parsed, tokens, cached);
     let mut resp = if parsed.stream {

@@ -75,6 +75,20 @@ pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
     })
 }
 
+/// Whether decode will count the prompt's cache hits as prefill's on its own: vLLM 0.33 and
+/// later put prefill's hits into the `kv_transfer_params` prefill answers
+/// (`remote_prefill_cached_tokens`), and decode reports those instead of the KV it pulled.
+/// Decode's usage is then already one vLLM's, and is left as decode wrote it.
+pub fn decode_counts_prefills_hits(kv_transfer_params: &[u8]) -> bool {
+    JsonObject::parse(kv_transfer_params)
+        .ok()
+        .and_then(|kv| {
+            kv.last_value("remote_prefill_cached_tokens")
+                .and_then(as_count)
+        })
+        .is_some()
+}
+
 /// A usage object with prefill's prompt counts; `None` when it is not one to change. Members
 /// keep their order and spelling; only the counts change (or are added where missing).
 fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {

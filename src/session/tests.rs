@@ -1041,6 +1041,50 @@ fn an_answer_of_the_announced_length_is_merged_without_waiting_for_the_streams_e
     );
 }
 
+#[test]
+fn decodes_usage_is_left_alone_where_vllm_counts_prefills_hits_itself() {
+    // vLLM 0.33 hands prefill's cache hits to decode in kv_transfer_params, and decode
+    // reports them: the answer is already one vLLM's and is neither held nor read.
+    let kv = r#"{"remote_engine_id":"e","remote_block_ids":[1],"remote_prefill_cached_tokens":1}"#;
+    let prefill_answer = format!(
+        r#"{{"id":"p","kv_transfer_params":{kv},"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,"prompt_tokens_details":{{"cached_tokens":1}}}}}}"#
+    );
+    for (content_type, length) in [
+        ("application/json", Some("120")),
+        ("text/event-stream", None),
+    ] {
+        let mut s = prefilling("");
+        s.on_prefill_answer(1, Some(200), prefill_answer.as_bytes(), at(5));
+        let step = s.on_response_headers(&ResponseHead {
+            content_type: Some(content_type),
+            content_length: length.map(str::as_bytes),
+            ..upstream(200)
+        });
+        assert_eq!(step.flow, Flow::Continue, "{content_type}");
+        assert!(
+            !step
+                .commands
+                .iter()
+                .any(|command| matches!(command, Command::RemoveResponseHeader(_))),
+            "{content_type}: {:?}",
+            step.commands
+        );
+        assert_eq!(
+            s.on_response_body(120, false),
+            BodyStep::Step(Step::new(Flow::Continue, vec![])),
+            "{content_type}"
+        );
+    }
+    // Not a count: decode's figure cannot be vouched for, and the merge runs.
+    for hits in ["null", "\"1\"", "-1"] {
+        let kv = format!(r#"{{"remote_engine_id":"e","remote_prefill_cached_tokens":{hits}}}"#);
+        assert!(
+            !crate::protocol::usage::decode_counts_prefills_hits(kv.as_bytes()),
+            "{hits}"
+        );
+    }
+}
+
 const HOLDS_HEADERS: &str = r#"{"hold_request_headers":true,"max_request_body_bytes":4096}"#;
 
 /// A session that merges usage into decode's JSON answer of `length` announced bytes; the
