@@ -14,7 +14,7 @@ use crate::protocol::kv_release::{decode_never_read, decode_refused};
 use crate::protocol::paths::PathVerdict;
 use crate::protocol::prompt_logprobs;
 use crate::protocol::rewrite::{
-    kv_release_body, minimal_kv_release_body, strip_kv_transfer_params, MINIMAL_RELEASE_PATH,
+    minimal_kv_release_body, strip_kv_transfer_params, MINIMAL_RELEASE_PATH,
 };
 use crate::protocol::scheduling::{
     check_model_for_header, parse_prefill_hosts, with_reachable_remote_host,
@@ -284,10 +284,6 @@ impl ResponseHead<'_> {
 
 /// KV that prefill made and decode has not read yet.
 struct UnreadKv {
-    api: Api,
-    /// The client's body while the filter still holds it; once decode has it, the release is
-    /// the minimal one, so that no request holds a copy of its body while decode runs.
-    original: Option<Vec<u8>>,
     model: Option<String>,
     kv_transfer_params: Vec<u8>,
     headers: Vec<(String, String)>,
@@ -324,13 +320,6 @@ impl HeldBody {
     fn bytes(&self) -> &[u8] {
         match self {
             HeldBody::Whole(body) | HeldBody::Head(body) => body,
-        }
-    }
-
-    fn whole(self) -> Option<Vec<u8>> {
-        match self {
-            HeldBody::Whole(body) => Some(body),
-            HeldBody::Head(_) => None,
         }
     }
 }
@@ -703,8 +692,6 @@ impl Session {
                     self.request_id
                 );
                 let unread = UnreadKv {
-                    api: prefill.api,
-                    original: prefill.original.whole(),
                     model: prefill.model,
                     kv_transfer_params: kv.to_vec(),
                     headers: prefill.prefill_headers,
@@ -744,8 +731,6 @@ impl Session {
                 if let Some(refusal) = refusal {
                     commands.extend(self.reject(&refusal));
                     let unread = UnreadKv {
-                        api: prefill.api,
-                        original: prefill.original.whole(),
                         model: prefill.model,
                         kv_transfer_params: kv.to_vec(),
                         headers: prefill.prefill_headers,
@@ -775,9 +760,7 @@ impl Session {
                     .flatten();
                 let prompt_logprobs = prompt_logprobs.map(|logprobs| (prefill.api, logprobs));
                 let unread_kv = config.release_kv_on_abandon.then(|| UnreadKv {
-                    api: prefill.api,
                     kv_transfer_params: kv.to_vec(),
-                    original: None,
                     model: prefill.model,
                     headers: prefill.prefill_headers,
                 });
@@ -1313,18 +1296,15 @@ impl Session {
         if !config.release_kv_on_abandon {
             return None;
         }
+        // Never the client's body: the smallest request takes the KV as well, and carries
+        // nothing (prompt logprobs, tools, a long prompt) that would make decode compute more.
         let mut headers = unread.headers;
-        let body = match &unread.original {
-            Some(original) => kv_release_body(unread.api, original, &unread.kv_transfer_params)?,
-            None => {
-                for (name, value) in headers.iter_mut() {
-                    if name == ":path" {
-                        *value = MINIMAL_RELEASE_PATH.to_owned();
-                    }
-                }
-                minimal_kv_release_body(unread.model.as_deref(), &unread.kv_transfer_params)
+        for (name, value) in headers.iter_mut() {
+            if name == ":path" {
+                *value = MINIMAL_RELEASE_PATH.to_owned();
             }
-        };
+        }
+        let body = minimal_kv_release_body(unread.model.as_deref(), &unread.kv_transfer_params);
         headers.push((KV_RELEASE_HEADER.to_owned(), "1".to_owned()));
         Some(Command::ReleaseKv(HttpCall {
             cluster: config

@@ -134,6 +134,51 @@ async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
 }
 
 #[tokio::test]
+async fn a_release_never_asks_decode_for_what_decode_on_remote_kv_cannot_do() {
+    // Bodies the filter keeps whole while prefill works: one asking for prompt logprobs
+    // (decode on prefill's KV refuses those, as vLLM 0.11 does), one with the client's
+    // own kv_transfer_params. Their releases are the smallest request all the same.
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let released_before = releases_from_a_clean_ledger().await;
+    let prompt = "left early mock:prefill_delay_ms=800";
+    let bodies = [
+        json!({"model": "m", "prompt": prompt, "max_tokens": 5, "prompt_logprobs": 2}),
+        json!({"model": "m", "prompt": prompt, "max_tokens": 5,
+            "kv_transfer_params": {"remote_host": "6.6.6.6"}}),
+    ];
+    let mut ids = Vec::new();
+    for body in &bodies {
+        let id = unique_id("leaves-whole");
+        let answered = Request::post("default", COMPLETIONS)
+            .id(&id)
+            .body(body.to_string())
+            .leave_after(Duration::from_millis(300))
+            .await;
+        assert!(!answered, "{body}");
+        ids.push(id);
+    }
+    for (id, body) in ids.iter().zip(&bodies) {
+        wait_for_a_release(id, Duration::from_secs(5)).await;
+        let releases = releases(id);
+        assert_eq!(releases.len(), 1, "{body}");
+        assert_eq!(releases[0]["prompt"], json!([0]), "{body}");
+        assert!(releases[0].get("prompt_logprobs").is_none(), "{body}");
+        assert_eq!(releases[0]["kv_transfer_params"]["do_remote_prefill"], true);
+    }
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+    assert_eq!(
+        h.counter(KV_RELEASED),
+        released_before + 2,
+        "both answered 200"
+    );
+    assert_filter_healthy();
+}
+
+#[tokio::test]
 async fn decode_that_was_never_reached_strands_no_kv() {
     let _serial = SERIAL.lock().await;
     let h = harness();

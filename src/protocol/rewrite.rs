@@ -337,20 +337,6 @@ fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientErr
     }
 }
 
-/// A request that makes a decode worker take the KV prefill made for `body` and generate
-/// one token: what releases the KV of a request whose decode leg will never run. `None` when
-/// the body is not a JSON object (it was one when prefill ran, so never in practice).
-pub fn kv_release_body(api: Api, body: &[u8], kv_transfer_params: &[u8]) -> Option<Vec<u8>> {
-    let json_start = if body.starts_with(UTF8_BOM) {
-        UTF8_BOM.len()
-    } else {
-        0
-    };
-    let text = json_text(body, json_start);
-    let object = JsonObject::parse(text).ok()?;
-    Some(one_token_body(api, &object, kv_transfer_params))
-}
-
 /// The client's body (`object`) capped to one generated token, not streamed, with `kv` as
 /// its `kv_transfer_params`.
 fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
@@ -750,13 +736,6 @@ mod tests {
                 .status,
             400
         );
-        // A KV release of such a request is capped the same way.
-        let release: Value = serde_json::from_slice(
-            &kv_release_body(Api::Generate, body.as_bytes(), br#"{"k":1}"#).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(release["sampling_params"]["max_tokens"], 1);
-        assert_eq!(release["kv_transfer_params"], json!({"k":1}));
     }
 
     #[test]
@@ -924,16 +903,6 @@ mod tests {
 
     #[test]
     fn a_release_asks_decode_for_one_token_on_prefills_kv() {
-        let body = br#"{"prompt":"x","max_tokens":90,"stream":true,"kv_transfer_params":{"a":1}}"#;
-        let release: Value = serde_json::from_slice(
-            &kv_release_body(Api::Completions, body, br#"{"k":2}"#).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(
-            release,
-            json!({"prompt":"x","max_tokens":1,"stream":false,"kv_transfer_params":{"k":2}})
-        );
-        assert_eq!(kv_release_body(Api::Completions, b"[]", b"{}"), None);
         let minimal: Value =
             serde_json::from_slice(&minimal_kv_release_body(Some("m\"1"), br#"{"k":3}"#)).unwrap();
         assert_eq!(

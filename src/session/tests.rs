@@ -414,16 +414,21 @@ fn a_client_that_leaves_during_prefill_has_its_kv_released() {
         .on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(901))
         .is_empty());
 
-    // A body the filter kept whole (the client sent kv_transfer_params of its own, which
-    // decode's edit replaces) gives a release for the client's own prompt.
-    let mut s = prefilling_body(
-        "",
+    // Bodies the filter keeps whole (the client sent kv_transfer_params of its own, which
+    // decode's edit replaces; prompt logprobs, which decode must not be asked for) get the
+    // smallest release too: nothing of the client's reaches decode with prefill's KV.
+    for body in [
         r#"{"prompt":"x","max_tokens":50,"kv_transfer_params":{"remote_host":"6.6.6.6"}}"#,
-    );
-    s.on_client_gone();
-    let release = released(&s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(9)));
-    assert_eq!(release["prompt"], "x");
-    assert_eq!(release["kv_transfer_params"], kv);
+        r#"{"model":"m","prompt":"x","prompt_logprobs":5,"echo":true}"#,
+    ] {
+        let mut s = prefilling_body("", body);
+        s.on_client_gone();
+        let release = released(&s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(9)));
+        assert_eq!(release["prompt"], serde_json::json!([0]), "{body}");
+        assert_eq!(release["kv_transfer_params"], kv, "{body}");
+        assert!(release.get("prompt_logprobs").is_none(), "{body}");
+        assert!(release.get("echo").is_none(), "{body}");
+    }
 
     // Gone before the call went out: released once it answers.
     let mut s = session("");
