@@ -341,16 +341,19 @@ fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientErr
 /// its `kv_transfer_params`.
 fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
     let text = object.text();
-    if api == Api::ChatCompletions {
-        if let Some(named) = named_instead_of_required(object) {
-            let capped = one_token_splice(api, object, Edit::Slot).write(text, kv);
-            return match JsonObject::parse(&capped) {
-                Ok(capped_object) => capped_object
-                    .splice_member("tool_choice", Edit::Slot)
-                    .write(&capped, &named),
-                Err(_) => capped,
-            };
-        }
+    let tool_choice = match api {
+        Api::ChatCompletions => named_instead_of_required(object),
+        Api::Messages => any_instead_of_named_tool(object),
+        _ => None,
+    };
+    if let Some(tool_choice) = tool_choice {
+        let capped = one_token_splice(api, object, Edit::Slot).write(text, kv);
+        return match JsonObject::parse(&capped) {
+            Ok(capped_object) => capped_object
+                .splice_member("tool_choice", Edit::Slot)
+                .write(&capped, &tool_choice),
+            Err(_) => capped,
+        };
     }
     if api != Api::Generate {
         return one_token_splice(api, object, Edit::Slot).write(text, kv);
@@ -398,6 +401,25 @@ fn named_instead_of_required(object: &JsonObject) -> Option<Vec<u8>> {
     named.extend_from_slice(name);
     named.extend_from_slice(b"}}");
     Some(named)
+}
+
+/// For a Messages request whose `tool_choice` names a tool (`{"type":"tool","name":…}`), the
+/// same choice as `{"type":"any"}`. vLLM turns a named choice into the tool call's arguments
+/// as generated and reads them as JSON for the answer; one token never is, and prefill would
+/// answer 400 to a request one vLLM serves. Under `any` (chat's `"required"`) vLLM 0.33 takes
+/// an answer that does not parse as no tool call. The tools, and so the prompt, stay the
+/// same; the choice's other members stay as the client wrote them.
+fn any_instead_of_named_tool(object: &JsonObject) -> Option<Vec<u8>> {
+    let choice = JsonObject::parse(object.last_value("tool_choice")?).ok()?;
+    if choice.last_value("type")? != br#""tool""# {
+        return None;
+    }
+    let edit = |key: &str| match key {
+        "type" => Edit::Replace(br#""any""#),
+        "name" => Edit::Remove,
+        _ => Edit::Keep,
+    };
+    Some(choice.splice(edit, &[]).write(choice.text(), b""))
 }
 
 /// `sampling_params` of the tokens-in API capped to one token: one sequence, no minimum.
@@ -537,6 +559,31 @@ mod tests {
     fn prefill_json(api: Api, body: &str) -> Value {
         let prepared = prepare(api, body.as_bytes()).unwrap();
         serde_json::from_slice(&prepared.prefill_body).unwrap()
+    }
+
+    #[test]
+    fn a_named_tool_on_messages_becomes_any_tool_on_prefill_only() {
+        let body = r#"{"model":"m","max_tokens":50,"messages":[{"role":"user","content":"hi"}],"tools":[{"name":"get_weather","input_schema":{"type":"object"}}],"tool_choice":{"type":"tool","name":"get_weather","disable_parallel_tool_use":true}}"#;
+        let prepared = prepare(Api::Messages, body.as_bytes()).unwrap();
+        let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+        assert_eq!(
+            prefill["tool_choice"],
+            json!({"type": "any", "disable_parallel_tool_use": true})
+        );
+        assert_eq!(prefill["max_tokens"], 1);
+        assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
+        let client: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(prefill["tools"], client["tools"]);
+        let decode: Value =
+            serde_json::from_slice(&prepared.decode.body_with_kv(body.as_bytes(), b"{}")).unwrap();
+        assert_eq!(decode["tool_choice"], client["tool_choice"]);
+        // Other choices are valid with one token as they are.
+        for choice in [r#"{"type":"auto"}"#, r#"{"type":"any"}"#, r#""tool""#] {
+            let body = format!(r#"{{"max_tokens":5,"messages":[],"tool_choice":{choice}}}"#);
+            let prefill = prefill_json(Api::Messages, &body);
+            let sent: Value = serde_json::from_str(choice).unwrap();
+            assert_eq!(prefill["tool_choice"], sent, "{choice}");
+        }
     }
 
     #[test]
