@@ -370,6 +370,40 @@ async fn vllms_messages_api_runs_prefill_then_decode_and_counts_like_one_vllm() 
 }
 
 #[tokio::test]
+async fn a_forced_tool_choice_is_served_as_one_vllm_serves_it() {
+    // With one token, vLLM refuses a forced tool choice it must parse: a chat answer under
+    // "required" (read as a list of tool calls by vLLM 0.11), a Messages answer for a named
+    // tool (its arguments read as JSON). The mocks refuse them the same way.
+    let cases = [
+        (
+            "/v1/chat/completions",
+            json!({"model": "m", "max_tokens": 5, "tool_choice": "required",
+                   "messages": [{"role": "user", "content": "weather?"}],
+                   "tools": [{"type": "function", "function": {"name": "get_weather"}}]}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "m", "max_tokens": 5,
+                   "tool_choice": {"type": "tool", "name": "get_weather"},
+                   "messages": [{"role": "user", "content": "weather?"}],
+                   "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]}),
+        ),
+    ];
+    for (path, sent) in cases {
+        let id = unique_id("forced-tool");
+        let request = Request::post("default", path).body(sent.to_string());
+        let (_, prefill, decode) = served_on_prefills_kv(request, &id, path).await;
+        assert_ne!(prefill["tool_choice"], sent["tool_choice"], "{path}");
+        assert_eq!(
+            prefill["tools"], sent["tools"],
+            "{path}: the prompt's tools"
+        );
+        assert_eq!(decode["tool_choice"], sent["tool_choice"], "{path}");
+        assert_eq!(decode["max_tokens"], 5, "{path}");
+    }
+}
+
+#[tokio::test]
 async fn vllms_tokens_in_api_is_capped_in_sampling_params_and_runs_prefill_then_decode() {
     for stream in [false, true] {
         let id = unique_id("generate");

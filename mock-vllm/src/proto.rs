@@ -109,6 +109,17 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         _ => int("n")?.unwrap_or(1),
     };
     check_n(n)?;
+    if endpoint == Endpoint::Chat
+        && limit == 1
+        && obj.get("tool_choice") == Some(&json!("required"))
+    {
+        // vLLM 0.11 reads the answer under "required" as a whole list of tool calls.
+        return Err(
+            "1 validation error for list[function-wrap[__log_extra_fields__()]]: \
+                    Invalid JSON: EOF while parsing a list"
+                .into(),
+        );
+    }
     let prompt = match endpoint {
         Endpoint::Chat => chat_prompt(obj)?,
         Endpoint::Responses => responses_prompt(obj)?,
@@ -222,6 +233,14 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Parsed, String> {
             Some(text) => texts.push(text),
             None => return Err("message content is required".into()),
         }
+    }
+    let named_tool =
+        obj.get("tool_choice").and_then(|choice| choice.get("type")) == Some(&json!("tool"));
+    if named_tool && limit == 1 {
+        // vLLM reads a named tool's generated arguments as JSON for the answer.
+        return Err(
+            "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)".into(),
+        );
     }
     Ok(Parsed {
         endpoint: Endpoint::Messages,
