@@ -32,6 +32,9 @@ Try, from another terminal:
   curl -s http://127.0.0.1:10000/inference/v1/generate -H 'content-type: application/json' \
     -d '{"token_ids":[101,2023,2003],"sampling_params":{"max_tokens":8}}'
 
+  curl -s http://127.0.0.1:10000/cohere/v2/chat -H 'content-type: application/json' \
+    -d '{"model":"mock-model","messages":[{"role":"user","content":"Hi from Cohere style"}],"max_tokens":8}'
+
   # An error: prefill refuses (the mocks obey mock:* directives in the body, see README)
   curl -s http://127.0.0.1:10000/v1/completions -H 'content-type: application/json' \
     -d '{"model":"mock-model","prompt":"fail mock:prefill_status=400","max_tokens":8}'

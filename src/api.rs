@@ -11,20 +11,26 @@ pub enum Api {
     /// vLLM's tokens-in, tokens-out API (`/inference/v1/generate`): its limits are in
     /// `sampling_params`, and its answer counts no usage.
     Generate,
+    /// vLLM's Cohere-style chat API (`/cohere/v2/chat`, vLLM 0.33 and later): one limit,
+    /// `max_tokens`, and errors in Cohere's shape.
+    CohereChat,
 }
 
 impl Api {
-    pub const ALL: [Api; 5] = [
+    pub const ALL: [Api; 6] = [
         Api::Completions,
         Api::ChatCompletions,
         Api::Responses,
         Api::Messages,
         Api::Generate,
+        Api::CohereChat,
     ];
 
     /// The API a configured path serves, told by how the path ends.
     pub fn from_path(path: &str) -> Option<Api> {
-        if path.ends_with("/chat/completions") {
+        if path.ends_with("/v2/chat") {
+            Some(Api::CohereChat)
+        } else if path.ends_with("/chat/completions") {
             Some(Api::ChatCompletions)
         } else if path.ends_with("/completions") {
             Some(Api::Completions)
@@ -47,6 +53,7 @@ impl Api {
             Api::Responses => "responses",
             Api::Messages => "messages",
             Api::Generate => "generate",
+            Api::CohereChat => "cohere_chat",
         }
     }
 }

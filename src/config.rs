@@ -83,6 +83,7 @@ impl Default for RawConfig {
                 "/v1/responses".to_owned(),
                 "/v1/messages".to_owned(),
                 "/inference/v1/generate".to_owned(),
+                "/cohere/v2/chat".to_owned(),
             ],
             kv_stripped_paths: DEFAULT_KV_STRIPPED_PATHS
                 .iter()
@@ -136,8 +137,8 @@ pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
 /// with any client `kv_transfer_params` removed, so that no client can make decode pull KV
 /// from a host of its choosing.
 /// (vLLM 0.33: SageMaker's `/invocations`, which serves chat or completions by the body's
-/// shape, chat batches and the Cohere-style API; and the two vLLM APIs orchestrated by
-/// default, for a configuration whose `paths` leaves them out. Orchestration wins where a
+/// shape, and chat batches; and the three vLLM APIs orchestrated by default beyond
+/// OpenAI's, for a configuration whose `paths` leaves them out. Orchestration wins where a
 /// path is in both lists.)
 pub const DEFAULT_KV_STRIPPED_PATHS: &[&str] = &[
     "/v1/messages",
@@ -265,7 +266,7 @@ impl Config {
             let api = Api::from_path(&path).ok_or_else(|| {
                 ConfigError(format!(
                     "path {path:?} must end in /completions, /chat/completions, /responses, \
-                     /messages or /generate"
+                     /messages, /generate or /v2/chat"
                 ))
             })?;
             orchestrated_paths.push(OrchestratedPath { path, api });
@@ -532,7 +533,7 @@ mod tests {
             let config = Config::from_json(input).unwrap();
             assert_eq!(config.prefill_cluster, "prefill");
             assert_eq!(config.prefill_timeout, Duration::from_secs(120));
-            assert_eq!(config.orchestrated_paths.len(), 5);
+            assert_eq!(config.orchestrated_paths.len(), 6);
             assert_eq!(
                 config.on_missing_kv_transfer_params,
                 MissingKvPolicy::DecodeOnly

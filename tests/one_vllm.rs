@@ -404,6 +404,54 @@ async fn a_forced_tool_choice_is_served_as_one_vllm_serves_it() {
 }
 
 #[tokio::test]
+async fn vllms_cohere_api_runs_prefill_then_decode_and_answers_in_cohere_shape() {
+    for stream in [false, true] {
+        let id = unique_id("cohere");
+        let sent = json!({"model": "m", "max_tokens": 5, "stream": stream,
+                          "messages": [{"role": "user", "content": "cohere says hello"}]});
+        let case = format!("stream={stream}");
+        let request = Request::post("default", "/cohere/v2/chat").body(sent.to_string());
+        let (reply, prefill, decode) = served_on_prefills_kv(request, &id, &case).await;
+        assert_eq!(prefill["max_tokens"], 1, "{case}: {prefill}");
+        assert_eq!(prefill["messages"], sent["messages"], "{case}");
+        let mut expected = sent.clone();
+        expected["kv_transfer_params"] = decode["kv_transfer_params"].clone();
+        assert_eq!(
+            decode, expected,
+            "{case}: the client's body and prefill's KV"
+        );
+        assert_eq!(
+            decode["kv_transfer_params"]["do_remote_prefill"], true,
+            "{case}"
+        );
+        let (text, _, ended) = answer_text(&reply.body);
+        assert!(ended, "{case}: {}", reply.body);
+        assert_eq!(text, expected_decode_text("cohere", 5), "{case}");
+        if stream {
+            let events = events(&reply.body);
+            assert_eq!(events.last().unwrap()["type"], "message-end", "{case}");
+            assert!(reply.body.ends_with("data: [DONE]\n\n"), "{case}");
+        }
+    }
+    // Errors in Cohere's shape: prefill's as vLLM wrote it, the filter's own alike.
+    let refused = json!({"model": "m", "max_tokens": 5,
+        "messages": [{"role": "user", "content": "no mock:prefill_status=400"}]});
+    let reply = Request::post("default", "/cohere/v2/chat")
+        .body(refused.to_string())
+        .send()
+        .await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert_eq!(reply.json(), json!({"message": "mock prefill failure 400"}));
+    let reply = Request::post("default", "/cohere/v2/chat")
+        .body("{not json")
+        .send()
+        .await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(reply.json()["message"].is_string(), "{}", reply.body);
+    assert!(reply.json().get("error").is_none(), "{}", reply.body);
+}
+
+#[tokio::test]
 async fn vllms_tokens_in_api_is_capped_in_sampling_params_and_runs_prefill_then_decode() {
     for stream in [false, true] {
         let id = unique_id("generate");

@@ -212,6 +212,13 @@ fn error_response(status: u16, message: &str) -> Response<Body> {
     json_response(status, &proto::error_body(status.as_u16(), message))
 }
 
+/// An error answer in the shape `endpoint`'s clients get.
+fn endpoint_error_response(endpoint: Endpoint, status: u16, message: &str) -> Response<Body> {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body = proto::endpoint_error_body(endpoint, status.as_u16(), message);
+    json_response(status, &body)
+}
+
 /// A response whose body is fed chunk by chunk; the task aborts it (dropping the connection)
 /// after `cut_after` chunks when set.
 fn channel_response(
@@ -437,7 +444,7 @@ async fn inference(
     if let Some(status) = faults.status {
         let status = u16::try_from(status).unwrap_or(500);
         let message = format!("mock {} failure {status}", role.as_str());
-        return Ok(error_response(status, &message));
+        return Ok(endpoint_error_response(endpoint, status, &message));
     }
     if faults.reset {
         // Returning an error makes hyper close the connection without writing anything.
@@ -451,7 +458,7 @@ async fn inference(
     }
     let parsed = match parsed {
         Ok(parsed) => parsed,
-        Err(message) => return Ok(error_response(400, &message)),
+        Err(message) => return Ok(endpoint_error_response(endpoint, 400, &message)),
     };
     Ok(match role {
         Role::Prefill => prefill(shared, &parsed, &faults),
@@ -466,6 +473,7 @@ fn answer(shared: &Shared, parsed: &Parsed, tokens: Vec<String>, cached_tokens: 
         Endpoint::Responses => "resp-",
         Endpoint::Messages => "msg_",
         Endpoint::Generate => "gen-",
+        Endpoint::Cohere => "",
     };
     let seq = shared.next_id.fetch_add(1, Ordering::Relaxed);
     let id = format!(

@@ -14,6 +14,8 @@ pub(crate) enum Endpoint {
     Messages,
     /// vLLM's tokens-in/tokens-out API.
     Generate,
+    /// vLLM's Cohere-style chat API (vLLM 0.33).
+    Cohere,
 }
 
 impl Endpoint {
@@ -24,6 +26,7 @@ impl Endpoint {
             "/v1/responses" => Some(Endpoint::Responses),
             "/v1/messages" => Some(Endpoint::Messages),
             "/inference/v1/generate" => Some(Endpoint::Generate),
+            "/cohere/v2/chat" => Some(Endpoint::Cohere),
             _ => None,
         }
     }
@@ -83,6 +86,7 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
     match endpoint {
         Endpoint::Messages => return parse_messages(obj),
         Endpoint::Generate => return parse_generate(obj),
+        Endpoint::Cohere => return parse_cohere(obj),
         _ => {}
     }
     let (stream, include_usage) = stream_flags(obj)?;
@@ -246,6 +250,57 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Parsed, String> {
         endpoint: Endpoint::Messages,
         stream: obj.get("stream") == Some(&Value::Bool(true)),
         include_usage: false,
+        limit: limit as u64,
+        n: 1,
+        model,
+        prompt: texts.join("\n"),
+        kv: obj.get("kv_transfer_params").cloned(),
+        prompt_logprobs: None,
+        request_id: None,
+    })
+}
+
+/// `POST /cohere/v2/chat`: one limit, `max_tokens` (non-negative; without it, the rest of the
+/// context, simulated as 40); no `n`, `min_tokens` or `stream_options`.
+fn parse_cohere(obj: &Map<String, Value>) -> Result<Parsed, String> {
+    let model = match obj.get("model") {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        _ => return Err("model is required".into()),
+    };
+    let limit = int_field(obj, "max_tokens")?.unwrap_or(40);
+    if limit < 0 {
+        return Err("max_tokens must be non-negative".into());
+    }
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(stream)) => *stream,
+        Some(_) => return Err("stream must be a boolean".into()),
+    };
+    if obj.get("tool_choice") == Some(&json!("REQUIRED")) && obj.get("tools").is_none() {
+        return Err(r#"tool_choice="REQUIRED" requires at least one tool in tools."#.into());
+    }
+    let messages = match obj.get("messages") {
+        Some(Value::Array(messages)) if !messages.is_empty() => messages,
+        _ => return Err("messages must contain at least one message".into()),
+    };
+    let mut texts = Vec::new();
+    for message in messages {
+        let message = message
+            .as_object()
+            .ok_or("each message must be an object")?;
+        match message.get("role").and_then(Value::as_str) {
+            Some("user" | "assistant" | "system" | "tool" | "developer") => {}
+            _ => return Err("message role must be user, assistant, system or tool".into()),
+        }
+        if let Some(text) = content_text(message.get("content"), "message content")? {
+            texts.push(text);
+        }
+    }
+    Ok(Parsed {
+        endpoint: Endpoint::Cohere,
+        stream,
+        // A Cohere stream always ends with its usage.
+        include_usage: true,
         limit: limit as u64,
         n: 1,
         model,
@@ -470,6 +525,8 @@ impl Answer {
         match (self.endpoint, by_limit) {
             (Endpoint::Messages, true) => "max_tokens",
             (Endpoint::Messages, false) => "end_turn",
+            (Endpoint::Cohere, true) => "MAX_TOKENS",
+            (Endpoint::Cohere, false) => "COMPLETE",
             (_, true) => "length",
             (_, false) => "stop",
         }
@@ -480,6 +537,10 @@ impl Answer {
         let total = self.prompt_tokens + out;
         match self.endpoint {
             Endpoint::Messages => self.message_usage(out),
+            Endpoint::Cohere => json!({
+                "billed_units": {"input_tokens": self.prompt_tokens, "output_tokens": out},
+                "tokens": {"input_tokens": self.prompt_tokens, "output_tokens": out},
+                "cached_tokens": self.cached_tokens}),
             Endpoint::Responses => json!({"input_tokens": self.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
@@ -535,6 +596,12 @@ impl Answer {
                 json!(self.stop_reason()),
                 self.usage(),
             ),
+            Endpoint::Cohere => json!({
+                "id": self.id, "finish_reason": self.stop_reason(),
+                "message": {"role": "assistant",
+                    "content": [{"type": "text", "text": text}]},
+                "usage": self.usage(),
+            }),
             Endpoint::Generate => {
                 let ids: Vec<u64> = self.tokens.iter().map(|t| token_id(t)).collect();
                 json!({"request_id": self.id,
@@ -551,6 +618,12 @@ impl Answer {
         let event = |kind: &str, v: Value| format!("event: {kind}\ndata: {v}\n\n");
         let last = self.tokens.len().saturating_sub(1);
         let mut events = Vec::new();
+        if self.endpoint == Endpoint::Cohere {
+            events.push(data(json!({"type": "message-start", "id": self.id,
+                "delta": {"message": {"role": "assistant"}}})));
+            events.push(data(json!({"type": "content-start", "index": 0,
+                "delta": {"message": {"content": {"type": "text", "text": ""}}}})));
+        }
         if self.endpoint == Endpoint::Messages {
             let start = self.message(json!([]), Value::Null, self.message_usage(0));
             events.push(event(
@@ -598,6 +671,8 @@ impl Answer {
                     Endpoint::Generate => data(json!({"request_id": self.id,
                         "choices": [{"index": c, "logprobs": null, "finish_reason": finish,
                             "token_ids": [token_id(token)]}]})),
+                    Endpoint::Cohere => data(json!({"type": "content-delta", "index": 0,
+                        "delta": {"message": {"content": {"text": token}}}})),
                 });
             }
         }
@@ -621,6 +696,12 @@ impl Answer {
             }
             // The tokens API has no usage.
             Endpoint::Generate => events.push("data: [DONE]\n\n".to_string()),
+            Endpoint::Cohere => {
+                events.push(data(json!({"type": "content-end", "index": 0})));
+                events.push(data(json!({"type": "message-end", "id": self.id,
+                    "delta": {"finish_reason": self.stop_reason(), "usage": self.usage()}})));
+                events.push("data: [DONE]\n\n".to_string());
+            }
             _ => {
                 if include_usage {
                     let object = match self.endpoint {
@@ -663,6 +744,14 @@ pub(crate) fn kv_outcome(
         "reused"
     } else {
         "mismatch"
+    }
+}
+
+/// vLLM's error body for a request to `endpoint`: Cohere's shape on the Cohere-style API.
+pub(crate) fn endpoint_error_body(endpoint: Endpoint, status: u16, message: &str) -> Value {
+    match endpoint {
+        Endpoint::Cohere => json!({"message": message}),
+        _ => error_body(status, message),
     }
 }
 

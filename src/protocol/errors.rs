@@ -69,12 +69,16 @@ impl ClientError {
     }
 
     /// The body for a client of `api`. vLLM answers Anthropic's shape on the Messages API,
-    /// whose SDKs read `error.type` in Anthropic's words; the OpenAI shape elsewhere.
+    /// whose SDKs read `error.type` in Anthropic's words, and Cohere's (`{"message"}`) on the
+    /// Cohere-style API; the OpenAI shape elsewhere.
     pub fn body_for(&self, api: Option<Api>) -> Vec<u8> {
-        if api == Some(Api::Messages) && self.verbatim.is_none() {
-            self.to_anthropic_json()
-        } else {
-            self.to_json()
+        match api {
+            _ if self.verbatim.is_some() => self.to_json(),
+            Some(Api::Messages) => self.to_anthropic_json(),
+            Some(Api::CohereChat) => serde_json::json!({ "message": self.message })
+                .to_string()
+                .into_bytes(),
+            _ => self.to_json(),
         }
     }
 
@@ -190,6 +194,15 @@ mod tests {
             ..ClientError::bad_request("no")
         };
         assert_eq!(verbatim.body_for(Some(Api::Messages)), b"as written");
+    }
+
+    #[test]
+    fn cohere_clients_get_cohere_shape() {
+        let body = ClientError::new(413, "too \"big\"").body_for(Some(Api::CohereChat));
+        assert_eq!(
+            String::from_utf8(body).unwrap(),
+            r#"{"message":"too \"big\""}"#
+        );
     }
 
     #[test]

@@ -178,8 +178,9 @@ fn find_kv_transfer_params(body: &[u8]) -> Result<&[u8], String> {
 const MAX_QUOTED_UPSTREAM_TEXT: usize = 512;
 const MAX_VERBATIM_ERROR: usize = 64 * 1024;
 
-/// A vLLM error answer (`{"error":{…}}`, or the older `{"object":"error",…}`), to pass on
-/// as it is; anything else is answered in the filter's own words.
+/// A vLLM error answer (`{"error":{…}}`, the older `{"object":"error",…}`, or the
+/// Cohere-style API's `{"message":"…"}`), to pass on as it is; anything else is answered in
+/// the filter's own words.
 fn vllm_error_body(body: &[u8]) -> Option<Vec<u8>> {
     if body.len() > MAX_VERBATIM_ERROR {
         return None;
@@ -188,7 +189,10 @@ fn vllm_error_body(body: &[u8]) -> Option<Vec<u8>> {
     let is_error = object
         .last_value("error")
         .is_some_and(|v| v.starts_with(b"{"))
-        || object.last_value("object") == Some(b"\"error\"");
+        || object.last_value("object") == Some(b"\"error\"")
+        || object
+            .last_value("message")
+            .is_some_and(|v| v.starts_with(b"\""));
     is_error.then(|| body.to_vec())
 }
 
@@ -275,6 +279,8 @@ mod tests {
         assert_eq!(rejected.error.to_json(), body);
         let old_shape = br#"{"object":"error","message":"m","type":"BadRequestError","code":400}"#;
         assert_eq!(failure(Some(422), old_shape).error.to_json(), old_shape);
+        let cohere = br#"{"message":"max_tokens must be non-negative","id":"r1"}"#;
+        assert_eq!(failure(Some(400), cohere).error.to_json(), cohere);
         let text = failure(Some(404), b"Not Found").error.to_json();
         assert!(text.starts_with(br#"{"error":{"message":"prefill rejected the request (404)"#));
         let err = rejected.error;

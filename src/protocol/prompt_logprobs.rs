@@ -20,7 +20,7 @@ pub fn from_prefill_answer(api: Api, answer: &[u8]) -> Option<Vec<u8>> {
             let first = *array_elements(choices)?.first()?;
             JsonObject::parse(first).ok()?.last_value(PROMPT_LOGPROBS)?
         }
-        Api::Responses | Api::Messages | Api::Generate => return None,
+        Api::Responses | Api::Messages | Api::Generate | Api::CohereChat => return None,
     };
     (logprobs != b"null").then(|| logprobs.to_vec())
 }
@@ -45,7 +45,7 @@ pub fn into_answer(api: Api, answer: &[u8], logprobs: &[u8]) -> Option<Vec<u8>> 
             let splice = object.splice_member("choices", Edit::Slot);
             Some(splice.write(object.text(), &written))
         }
-        Api::Responses | Api::Messages | Api::Generate => None,
+        Api::Responses | Api::Messages | Api::Generate | Api::CohereChat => None,
     }
 }
 

@@ -562,6 +562,19 @@ mod tests {
     }
 
     #[test]
+    fn cohere_chat_is_capped_in_max_tokens() {
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":300}"#;
+        let prefill = prefill_json(Api::CohereChat, body);
+        assert_eq!(prefill["max_tokens"], 1);
+        assert_eq!(prefill["stream"], false);
+        assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
+        // Without a limit vLLM generates up to the context's end: prefill gets one.
+        let unlimited = prefill_json(Api::CohereChat, r#"{"model":"m","messages":[]}"#);
+        assert_eq!(unlimited["max_tokens"], 1);
+        assert_eq!(unlimited["stream"], false);
+    }
+
+    #[test]
     fn a_named_tool_on_messages_becomes_any_tool_on_prefill_only() {
         let body = r#"{"model":"m","max_tokens":50,"messages":[{"role":"user","content":"hi"}],"tools":[{"name":"get_weather","input_schema":{"type":"object"}}],"tool_choice":{"type":"tool","name":"get_weather","disable_parallel_tool_use":true}}"#;
         let prepared = prepare(Api::Messages, body.as_bytes()).unwrap();

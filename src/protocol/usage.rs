@@ -27,9 +27,9 @@ struct Fields {
     details: Option<&'static str>,
 }
 
-/// The usage fields of an API.
-fn fields(api: Api) -> Fields {
-    match api {
+/// The usage fields of an API; `None` for one whose usage is left as decode wrote it.
+fn fields(api: Api) -> Option<Fields> {
+    Some(match api {
         // The tokens-in API counts usage in newer vLLM releases only, the way completions do.
         Api::Completions | Api::ChatCompletions | Api::Generate => Fields {
             prompt: "prompt_tokens",
@@ -53,12 +53,14 @@ fn fields(api: Api) -> Fields {
             prompt_side: &["cache_read_input_tokens", "cache_creation_input_tokens"],
             details: None,
         },
-    }
+        // Served by vLLM 0.33 and later only, whose decode counts prefill's cache hits itself.
+        Api::CohereChat => return None,
+    })
 }
 
 /// Prefill's prompt counts, from its (non-streamed) answer.
 pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
-    let fields = fields(api);
+    let fields = fields(api)?;
     let answer = JsonObject::parse(prefill_answer).ok()?;
     let usage = JsonObject::parse(answer.last_value("usage")?).ok()?;
     let members = fields
@@ -92,7 +94,7 @@ pub fn decode_counts_prefills_hits(kv_transfer_params: &[u8]) -> bool {
 /// A usage object with prefill's prompt counts; `None` when it is not one to change. Members
 /// keep their order and spelling; only the counts change (or are added where missing).
 fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
-    let fields = fields(api);
+    let fields = fields(api)?;
     let object = JsonObject::parse(usage).ok()?;
     let output = as_count(object.last_value(fields.output)?)?;
     let prompt_tokens = prompt.prompt_tokens.to_string();
@@ -210,7 +212,7 @@ pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u
         Api::Responses => replace_member(json, "response", |response| {
             replace_member(response, "usage", |usage| merged_usage(api, usage, prompt))
         })?,
-        Api::Completions | Api::ChatCompletions | Api::Generate => {
+        Api::Completions | Api::ChatCompletions | Api::Generate | Api::CohereChat => {
             replace_member(json, "usage", |usage| merged_usage(api, usage, prompt))?
         }
         // `message_start` counts in its message, `message_delta` at the top.
@@ -232,7 +234,11 @@ pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u
 fn usage_marker(api: Api) -> &'static [u8] {
     match api {
         Api::Responses => b"response.completed",
-        Api::Completions | Api::ChatCompletions | Api::Messages | Api::Generate => b"\"usage\"",
+        Api::Completions
+        | Api::ChatCompletions
+        | Api::Messages
+        | Api::Generate
+        | Api::CohereChat => b"\"usage\"",
     }
 }
 
@@ -346,8 +352,15 @@ mod tests {
                 br#"{"usage":{"input_tokens":7,"output_tokens":1,"input_tokens_details":{"cached_tokens":2}}}"#
             }
             Api::Messages => br#"{"usage":{"input_tokens":7,"output_tokens":1,"cache_read_input_tokens":2}}"#,
+            Api::CohereChat => unreachable!("Cohere's usage is decode's"),
         };
         prompt_usage(api, answer).unwrap()
+    }
+
+    #[test]
+    fn cohere_usage_is_left_as_decode_wrote_it() {
+        let answer = br#"{"usage":{"billed_units":{"input_tokens":7,"output_tokens":1},"tokens":{"input_tokens":7,"output_tokens":1},"cached_tokens":2}}"#;
+        assert_eq!(prompt_usage(Api::CohereChat, answer), None);
     }
 
     fn value(bytes: &[u8]) -> Value {

@@ -872,6 +872,7 @@ pub fn answer_text(body: &str) -> (String, usize, bool) {
             .as_str()
             .or_else(|| value["choices"][0]["message"]["content"].as_str())
             .or_else(|| value["output"][0]["content"][0]["text"].as_str())
+            .or_else(|| value["message"]["content"][0]["text"].as_str())
             .unwrap_or_default()
             .to_owned();
         return (text, 0, true);
@@ -898,6 +899,11 @@ pub fn answer_text(body: &str) -> (String, usize, bool) {
             .or_else(|| {
                 (value["type"] == "response.output_text.delta")
                     .then(|| value["delta"].as_str())
+                    .flatten()
+            })
+            .or_else(|| {
+                (value["type"] == "content-delta")
+                    .then(|| value["delta"]["message"]["content"]["text"].as_str())
                     .flatten()
             })
         {
