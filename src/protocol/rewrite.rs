@@ -69,8 +69,9 @@ pub struct DecodePlan {
     pub prompt_logprobs_copies: usize,
     /// Decode's answer, when streamed, carries usage as vLLM writes it by default: always on
     /// the Responses, Messages and tokens-in APIs; on completions and chat only when the
-    /// client sent `stream_options` (vLLM's `include_usage` defaults to true once they are
-    /// there, and any value but null counts).
+    /// client sent `stream_options` (vLLM 0.11's `include_usage` defaults to true once they
+    /// are there, 0.33's to false; any value but null counts, so that neither misses usage:
+    /// a stream read for usage it does not carry only costs the reading).
     pub stream_usage_asked: bool,
     /// Where the client's first member may start, in the JSON text (just past the opening
     /// brace), when prefill's `kv_transfer_params` can go in before it: the client sent

@@ -1205,7 +1205,7 @@ fn an_answer_the_merge_leaves_as_it_was_is_not_written_back() {
 fn a_stream_is_read_for_usage_only_where_decode_sends_usage() {
     let completions = "/v1/completions";
     // vLLM sends usage in a completions or chat stream only when stream_options are there
-    // (include_usage defaults to true inside them), or when forced on the server.
+    // (vLLM 0.11's include_usage defaults to true inside them), or when forced on the server.
     for (body, read) in [
         (r#"{"prompt":"x","stream":true}"#, false),
         (
