@@ -1231,6 +1231,17 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             ));
         }
 
+        // A client that pauses its reading keeps its token streams (one frame per token).
+        if !http2["max_outbound_frames"]
+            .as_u64()
+            .is_some_and(|frames| frames >= 100_000)
+        {
+            error(format!(
+                "http2 max_outbound_frames {} (want >= 100000)",
+                http2["max_outbound_frames"]
+            ));
+        }
+
         // Every answer carries the request id both legs logged, Envoy's own too.
         if hcm["always_set_request_id_in_response"] != true {
             error(
@@ -2025,6 +2036,71 @@ fn envoy_yaml_takes_http2_bodies_up_to_the_filters_limit_in_envoy() {
     assert_eq!(response.status, 200, "{}", response.text());
     assert_eq!(prefill.requests_with_id("h2-large-body").len(), 1);
     assert_eq!(decode.requests_with_id("h2-large-body").len(), 1);
+}
+
+/// A loopback TCP proxy to `port` that passes the client's bytes at once and the server's
+/// only after `pause`: a client that stops reading its connection for that long. Its port.
+async fn proxy_that_stops_reading(port: u16, pause: std::time::Duration) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let proxy_port = listener.local_addr().expect("address").port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+                continue;
+            };
+            let (mut client_read, mut client_write) = client.into_split();
+            let (mut server_read, mut server_write) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+            });
+            tokio::spawn(async move {
+                tokio::time::sleep(pause).await;
+                let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+            });
+        }
+    });
+    proxy_port
+}
+
+/// envoy/envoy.yaml as shipped lets an HTTP/2 client stop reading for a while: its streams
+/// wait under flow control and arrive whole. A token stream is one small frame per token,
+/// and Envoy's default limit of 10,000 frames queued for a client closed the connection,
+/// every stream on it, within a few seconds (Envoy's `http2.outbound_flood`).
+#[test]
+fn envoy_yaml_lets_an_http2_client_pause_its_reading_in_envoy() {
+    use raw_http::{h2_connect_with_window, h2_exchange, H2Outcome, H2Request};
+    const STREAMS: usize = 40;
+    let (runtime, _prefill, _decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-pause");
+    let outcomes = runtime.block_on(async {
+        let port = proxy_that_stops_reading(envoy.port, std::time::Duration::from_secs(5)).await;
+        let sender = h2_connect_with_window(port, 16 << 20).await.expect("h2c");
+        let body = json!({"model": "mock-model", "max_tokens": 2000, "stream": true,
+            "messages": [{"role": "user", "content": "a long answer"}]})
+        .to_string();
+        let exchanges = (0..STREAMS).map(|_| {
+            let request = H2Request {
+                method: "POST".into(),
+                path: "/v1/chat/completions".into(),
+                headers: vec![("content-type".into(), "application/json".into())],
+                data: vec![body.as_bytes().to_vec()],
+                trailers: vec![],
+                reset_after: None,
+            };
+            h2_exchange(&sender, request, std::time::Duration::from_secs(90))
+        });
+        futures_util::future::join_all(exchanges).await
+    });
+    let stats = common::http_get(envoy.admin_port, "/stats?filter=http2.outbound")
+        .unwrap_or_default();
+    for outcome in outcomes {
+        let H2Outcome::Response(response) = outcome else {
+            panic!("a stream was lost: {outcome:?}\n{stats}");
+        };
+        assert_eq!(response.status, 200);
+        assert!(response.text().ends_with("data: [DONE]\n\n"));
+    }
 }
 
 /// envoy/envoy.yaml as shipped, with its heap limit lowered to 300 MB: HTTP/2 clients that

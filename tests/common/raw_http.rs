@@ -389,6 +389,24 @@ pub async fn h2_connect(port: u16) -> Result<H2Sender, String> {
     Ok(sender)
 }
 
+/// An HTTP/2 connection to `port` whose flow-control windows are `window` bytes, stream and
+/// connection, as HTTP/2 clients such as httpx open them (16 MiB).
+pub async fn h2_connect_with_window(port: u16, window: u32) -> Result<H2Sender, String> {
+    let stream = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let (sender, connection) = h2::client::Builder::new()
+        .initial_window_size(window)
+        .initial_connection_window_size(window)
+        .handshake(stream)
+        .await
+        .map_err(|e| format!("h2 handshake: {e}"))?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(sender)
+}
+
 /// Sends one request on the connection and reads its answer within `deadline`.
 pub async fn h2_exchange(sender: &H2Sender, request: H2Request, deadline: Duration) -> H2Outcome {
     match tokio::time::timeout(deadline, h2_exchange_inner(sender.clone(), request)).await {
