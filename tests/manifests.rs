@@ -2092,8 +2092,8 @@ fn envoy_yaml_lets_an_http2_client_pause_its_reading_in_envoy() {
         });
         futures_util::future::join_all(exchanges).await
     });
-    let stats = common::http_get(envoy.admin_port, "/stats?filter=http2.outbound")
-        .unwrap_or_default();
+    let stats =
+        common::http_get(envoy.admin_port, "/stats?filter=http2.outbound").unwrap_or_default();
     for outcome in outcomes {
         let H2Outcome::Response(response) = outcome else {
             panic!("a stream was lost: {outcome:?}\n{stats}");

@@ -203,7 +203,7 @@ pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u
     let end = event
         .get(start..)?
         .iter()
-        .position(|&b| b == b'\n')
+        .position(|&b| b == b'\n' || b == b'\r')
         .map_or(event.len(), |at| start + at);
     let data = event.get(start..end)?;
     let lead = data.iter().take_while(|b| **b == b' ').count();
@@ -290,7 +290,7 @@ impl EventStream {
         let complete_end = if end_of_stream || data.len() > MAX_HELD_EVENT {
             data.len()
         } else {
-            memchr::memmem::rfind(data, EVENT_END).map_or(0, |at| at + EVENT_END.len())
+            after_last_event(data)
         };
         let (complete, rest) = data.split_at(complete_end);
         let out = merge_events(api, prompt, complete);
@@ -303,8 +303,41 @@ impl EventStream {
     }
 }
 
-/// What ends a server-sent event.
-const EVENT_END: &[u8] = b"\n\n";
+/// What ends a server-sent event: a blank line. vLLM ends its lines in `\n`; the SSE
+/// format also allows `\r\n` and `\r`, which another server or a proxy may write.
+const EVENT_ENDS: [&[u8]; 5] = [b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n"];
+
+/// Just past the last complete event in `data`; 0 when there is none.
+fn after_last_event(data: &[u8]) -> usize {
+    let lf = memchr::memmem::rfind(data, b"\n\n").map_or(0, |at| at + 2);
+    // vLLM's events end where its chunks do.
+    if lf == data.len() {
+        return lf;
+    }
+    // Another spelling of a blank line that ends later starts at most 3 bytes before.
+    let from = lf.saturating_sub(3);
+    let tail = data.get(from..).unwrap_or_default();
+    EVENT_ENDS
+        .iter()
+        .filter_map(|end| memchr::memmem::rfind(tail, end).map(|at| from + at + end.len()))
+        .fold(lf, usize::max)
+}
+
+/// Where the first event end in `data` starts; `None` when there is none.
+fn first_event_end(data: &[u8]) -> Option<usize> {
+    // Only an end that starts before vLLM's first "\n\n" can come first; it lies within
+    // the 3 bytes after that one's start.
+    let lf = find(data, b"\n\n");
+    let head = match lf {
+        Some(at) => data.get(..(at + 3).min(data.len())).unwrap_or_default(),
+        None => data,
+    };
+    EVENT_ENDS
+        .iter()
+        .filter_map(|end| find(head, end))
+        .chain(lf)
+        .min()
+}
 
 /// Complete events with prefill's prompt counts where they carry usage; `None` when none
 /// does. Only the events around a usage marker are looked at, found by a fast search.
@@ -319,9 +352,9 @@ fn merge_events(api: Api, prompt: &PromptUsage, complete: &[u8]) -> Option<Vec<u
         .map(|found| search_from + found)
     {
         let before = complete.get(..at).unwrap_or_default();
-        let start = memchr::memmem::rfind(before, EVENT_END).map_or(0, |i| i + EVENT_END.len());
+        let start = after_last_event(before);
         let after = complete.get(at..).unwrap_or_default();
-        let end = find(after, EVENT_END).map_or(complete.len(), |i| at + i);
+        let end = first_event_end(after).map_or(complete.len(), |i| at + i);
         let event = complete.get(start..end).unwrap_or_default();
         if let Some(merged) = merge_event(api, event, prompt) {
             let buffer = out.get_or_insert_with(|| Vec::with_capacity(complete.len() + 64));
@@ -619,23 +652,66 @@ data: {"type":"response.completed","response":{"id":"r","usage":{"input_tokens":
     }
 
     #[test]
-    fn an_event_cut_by_a_chunk_boundary_waits_for_its_end() {
-        let whole = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}\n\ndata: [DONE]\n\n";
-        for cut in 1..whole.len() {
+    fn events_framed_with_crlf_or_cr_go_on_as_they_arrive() {
+        // The SSE format ends lines in "\n", "\r\n" or "\r"; vLLM writes "\n".
+        for newline in ["\r\n", "\r"] {
+            let token = format!("data: {{\"choices\":[{{\"text\":\"a\"}}]}}{newline}{newline}");
+            let usage = format!(
+                "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}}}{newline}{newline}"
+            );
             let mut stream = EventStream::default();
             let api = Api::Completions;
-            let (first, second) = whole.as_bytes().split_at(cut);
-            let mut out = Vec::new();
-            for (chunk, end) in [(first, false), (second, true)] {
-                match stream.on_chunk(api, &prefill(api), chunk, end) {
-                    Some(bytes) => out.extend_from_slice(&bytes),
-                    None => out.extend_from_slice(chunk),
+            assert_eq!(
+                stream.on_chunk(api, &prefill(api), token.as_bytes(), false),
+                None,
+                "{newline:?}: a token event is not held"
+            );
+            let merged = stream
+                .on_chunk(api, &prefill(api), usage.as_bytes(), false)
+                .expect("the usage event merged");
+            let text = String::from_utf8(merged).unwrap();
+            let data = text
+                .strip_prefix("data: ")
+                .and_then(|rest| rest.strip_suffix(&format!("{newline}{newline}")))
+                .unwrap_or_else(|| panic!("{newline:?}: framing kept: {text:?}"));
+            assert_eq!(
+                value(data.as_bytes())["prompt_tokens_details"]["cached_tokens"],
+                Value::Null
+            );
+            assert_eq!(
+                value(data.as_bytes())["usage"]["prompt_tokens_details"]["cached_tokens"],
+                2,
+                "{newline:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_event_cut_by_a_chunk_boundary_waits_for_its_end() {
+        let lf = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}\n\ndata: [DONE]\n\n";
+        for newline in ["\n", "\r\n", "\r"] {
+            let whole = lf.replace('\n', newline);
+            let event_end = newline.repeat(2);
+            for cut in 1..whole.len() {
+                let mut stream = EventStream::default();
+                let api = Api::Completions;
+                let (first, second) = whole.as_bytes().split_at(cut);
+                let mut out = Vec::new();
+                for (chunk, end) in [(first, false), (second, true)] {
+                    match stream.on_chunk(api, &prefill(api), chunk, end) {
+                        Some(bytes) => out.extend_from_slice(&bytes),
+                        None => out.extend_from_slice(chunk),
+                    }
                 }
+                let text = String::from_utf8(out).unwrap();
+                let case = format!("{newline:?} cut at {cut}: {text:?}");
+                assert!(text.contains("\"cached_tokens\":2"), "{case}");
+                assert!(
+                    text.ends_with(&format!("data: [DONE]{event_end}")),
+                    "{case}"
+                );
+                assert_eq!(text.matches(event_end.as_str()).count(), 3, "{case}");
             }
-            let text = String::from_utf8(out).unwrap();
-            assert!(text.contains("\"cached_tokens\":2"), "cut at {cut}: {text}");
-            assert!(text.ends_with("data: [DONE]\n\n"), "cut at {cut}");
-            assert_eq!(text.matches("\n\n").count(), 3, "cut at {cut}");
         }
     }
 }
