@@ -1232,9 +1232,9 @@ fn hardening_errors(config: &Value) -> Vec<String> {
         }
 
         // A client that pauses its reading keeps its token streams (one frame per token).
-        if !http2["max_outbound_frames"]
+        if http2["max_outbound_frames"]
             .as_u64()
-            .is_some_and(|frames| frames >= 100_000)
+            .is_none_or(|frames| frames < 100_000)
         {
             error(format!(
                 "http2 max_outbound_frames {} (want >= 100000)",
