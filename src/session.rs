@@ -1064,7 +1064,10 @@ impl Session {
             rewrite = match head.announced_length() {
                 // Empty, or larger than any answer worth holding: as decode wrote it.
                 Some(0) => None,
-                Some(length) if length > config.max_request_body_bytes => None,
+                Some(length) if length > config.max_request_body_bytes => {
+                    warn_answer_too_large(&self.request_id, config.max_request_body_bytes);
+                    None
+                }
                 length => Some(AnswerRewrite::Whole { length }),
             };
         }
@@ -1121,6 +1124,7 @@ impl Session {
                 // Larger than any answer worth holding: it goes on as it is.
                 AnswerRewrite::Whole { .. } if size > limit => {
                     *answer = AnswerRewrite::Untouched;
+                    warn_answer_too_large(&self.request_id, limit);
                     BodyStep::Step(Step::new(Flow::Continue, vec![]))
                 }
                 // Envoy gives decode's body, then the stream's end in a call of its own: an
@@ -1381,6 +1385,13 @@ impl Session {
             body: error.body_for(self.api),
         })
     }
+}
+
+fn warn_answer_too_large(request_id: &str, limit: usize) {
+    log::warn!(
+        "[{request_id}] decode's answer is larger than {limit} bytes (max_request_body_bytes): \
+         passed on as decode wrote it, without prefill's usage or prompt logprobs"
+    );
 }
 
 #[cfg(test)]
