@@ -60,6 +60,7 @@ struct RawConfig {
     paths: Vec<String>,
     kv_stripped_paths: Vec<String>,
     max_request_body_bytes: usize,
+    max_vm_held_bytes: usize,
     on_missing_kv_transfer_params: MissingKvPolicy,
     forward_headers: Vec<String>,
     prefill_time_header: Option<String>,
@@ -90,6 +91,7 @@ impl Default for RawConfig {
                 .map(|path| (*path).to_owned())
                 .collect(),
             max_request_body_bytes: 8 * 1024 * 1024,
+            max_vm_held_bytes: 256 * 1024 * 1024,
             on_missing_kv_transfer_params: MissingKvPolicy::DecodeOnly,
             forward_headers: DEFAULT_FORWARD_HEADERS
                 .iter()
@@ -163,6 +165,8 @@ pub struct Config {
     /// Generation APIs whose client `kv_transfer_params` are removed on the way to decode.
     pub kv_stripped_paths: Vec<String>,
     pub max_request_body_bytes: usize,
+    /// What the requests of one VM may hold in it across callbacks ([`crate::held_bytes`]).
+    pub max_vm_held_bytes: usize,
     pub on_missing_kv_transfer_params: MissingKvPolicy,
     /// Lowercase names of client headers copied onto the prefill request.
     pub forward_headers: Vec<String>,
@@ -256,6 +260,12 @@ impl Config {
             return Err(ConfigError(
                 "max_request_body_bytes must be greater than 0".into(),
             ));
+        }
+        if raw.max_vm_held_bytes < raw.max_request_body_bytes {
+            return Err(ConfigError(format!(
+                "max_vm_held_bytes ({}) must be at least max_request_body_bytes ({})",
+                raw.max_vm_held_bytes, raw.max_request_body_bytes
+            )));
         }
         if raw.paths.is_empty() {
             return Err(ConfigError("paths must list at least one path".into()));
@@ -366,6 +376,7 @@ impl Config {
             orchestrated_paths,
             kv_stripped_paths: raw.kv_stripped_paths,
             max_request_body_bytes: raw.max_request_body_bytes,
+            max_vm_held_bytes: raw.max_vm_held_bytes,
             on_missing_kv_transfer_params: raw.on_missing_kv_transfer_params,
             forward_headers,
             release_kv_on_abandon: raw.release_kv_on_abandon,
@@ -436,6 +447,7 @@ const SHAPES: &[(&str, Shape)] = &[
     ("paths", Shape::TextList),
     ("kv_stripped_paths", Shape::TextList),
     ("max_request_body_bytes", Shape::Count(u32::MAX as u64)),
+    ("max_vm_held_bytes", Shape::Count(u32::MAX as u64)),
     (
         "on_missing_kv_transfer_params",
         Shape::Choice(&["decode_only", "recompute_on_decode", "fail"]),
@@ -715,6 +727,10 @@ mod tests {
             ),
             (r#"{"forward_headers":["bad header"]}"#, "not a header name"),
             (r#"{"max_request_body_bytes":0}"#, "max_request_body_bytes"),
+            (
+                r#"{"max_request_body_bytes":1000,"max_vm_held_bytes":999}"#,
+                "max_vm_held_bytes (999) must be at least max_request_body_bytes (1000)",
+            ),
             (r#"{"prefill_time_header":"a b"}"#, "prefill_time_header"),
             (
                 r#"{"model_prefill_clusters":{"m":""}}"#,

@@ -31,6 +31,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use crate::callouts::{Caller, Callouts, Job, Retry};
 use crate::config::Config;
 use crate::headers::HeaderLookup;
+use crate::held_bytes::HeldBytes;
 use crate::host;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
@@ -42,12 +43,18 @@ use crate::stats::Stats;
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
     proxy_wasm::set_root_context(|root_id| -> Box<dyn RootContext> {
-        Box::new(PdRoot { config: None, worker: Rc::new(Worker::new(root_id)) })
+        Box::new(PdRoot {
+            config: None,
+            held: HeldBytes::new(0),
+            worker: Rc::new(Worker::new(root_id)),
+        })
     });
 }}
 
 struct PdRoot {
     config: Option<Rc<Config>>,
+    /// What this VM's requests hold in it, against `max_vm_held_bytes`.
+    held: HeldBytes,
     worker: Rc<Worker>,
 }
 
@@ -573,6 +580,7 @@ impl RootContext for PdRoot {
                     .callouts
                     .borrow_mut()
                     .set_release_bound(config.max_kv_releases_in_flight);
+                self.held = HeldBytes::new(config.max_vm_held_bytes);
                 self.config = Some(Rc::new(config));
                 true
             }
@@ -601,7 +609,7 @@ impl RootContext for PdRoot {
         Some(Box::new(PdRequest {
             request: Rc::new(Request {
                 context_id,
-                session: RefCell::new(Session::new(self.config.clone())),
+                session: RefCell::new(Session::new(self.config.clone(), self.held.clone())),
                 alive: Cell::new(true),
             }),
             worker: self.worker.clone(),

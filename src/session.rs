@@ -10,6 +10,7 @@ use std::time::{Duration, SystemTime};
 use crate::api::Api;
 use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy, UsagePolicy};
 use crate::headers::HeaderLookup;
+use crate::held_bytes::{HeldBytes, Reservation};
 use crate::protocol::kv_release::{decode_never_read, decode_refused};
 use crate::protocol::paths::PathVerdict;
 use crate::protocol::prompt_logprobs;
@@ -178,6 +179,8 @@ pub enum HostFailure {
 /// One request.
 pub struct Session {
     config: Option<Rc<Config>>,
+    /// What this VM's requests hold in it, shared by them.
+    held: HeldBytes,
     request_id: String,
     state: State,
     /// The API of an orchestrated request, for its outcome in the stats.
@@ -224,7 +227,7 @@ enum State {
         /// A streamed answer carries usage: read its chunks for it.
         stream_usage: bool,
         /// Prefill's prompt logprobs as it wrote them, to put into decode's answer.
-        prompt_logprobs: Option<(Api, Vec<u8>)>,
+        prompt_logprobs: Option<HeldLogprobs>,
         answer: AnswerRewrite,
     },
     /// The filter answered the client.
@@ -301,27 +304,47 @@ struct Pending {
 /// more than the head, and reads the body again from Envoy for a retry. So a request in
 /// prefill costs its body once, in Envoy's heap, where the overload manager sees it.
 enum HeldBody {
-    Whole(Vec<u8>),
+    /// All of it, counted against the VM's budget.
+    Whole {
+        body: Vec<u8>,
+        _reservation: Reservation,
+    },
     /// The first bytes, up to where prefill's `kv_transfer_params` go in.
     Head(Vec<u8>),
 }
 
 impl HeldBody {
-    fn keep(body: Vec<u8>, plan: &DecodePlan) -> HeldBody {
+    /// What decode's edit needs of `body`; `None` when that is the whole body and the VM's
+    /// budget has no room for it.
+    fn keep(body: Vec<u8>, plan: &DecodePlan, held: &HeldBytes) -> Option<HeldBody> {
         match plan.head_len() {
             Some(len) if len < body.len() => {
-                HeldBody::Head(body.get(..len).unwrap_or_default().to_vec())
+                Some(HeldBody::Head(body.get(..len).unwrap_or_default().to_vec()))
             }
-            _ => HeldBody::Whole(body),
+            _ => {
+                let reservation = held.reserve(body.len())?;
+                Some(HeldBody::Whole {
+                    body,
+                    _reservation: reservation,
+                })
+            }
         }
     }
 
     /// The bytes kept: all of the body, or enough of it for decode's edit.
     fn bytes(&self) -> &[u8] {
         match self {
-            HeldBody::Whole(body) | HeldBody::Head(body) => body,
+            HeldBody::Whole { body, .. } | HeldBody::Head(body) => body,
         }
     }
+}
+
+/// Prefill's prompt logprobs, kept (and counted against the VM's budget) until they go into
+/// decode's answer.
+struct HeldLogprobs {
+    api: Api,
+    logprobs: Vec<u8>,
+    _reservation: Reservation,
 }
 
 /// The prefill leg of one request, across its attempts.
@@ -369,9 +392,10 @@ impl Prefill {
 }
 
 impl Session {
-    pub fn new(config: Option<Rc<Config>>) -> Session {
+    pub fn new(config: Option<Rc<Config>>, held: HeldBytes) -> Session {
         Session {
             config,
+            held,
             request_id: String::new(),
             state: State::Started,
             api: None,
@@ -610,9 +634,13 @@ impl Session {
                 .prefill_cluster_for(prepared.model.as_deref())
                 .to_owned(),
         };
+        let Some(original) = HeldBody::keep(body, &prepared.decode, &self.held) else {
+            let error = ClientError::vm_budget_full(self.held.limit());
+            return Step::new(Flow::Pause, self.reject(&error));
+        };
         let prefill = Prefill {
             api: pending.api,
-            original: HeldBody::keep(body, &prepared.decode),
+            original,
             model: prepared.model,
             decode: prepared.decode,
             cluster,
@@ -718,7 +746,7 @@ impl Session {
                 // Envoy would refuse to buffer a larger body, answering on its own while the
                 // filter is still in this callback; prompt logprobs larger than the answers
                 // the filter holds could not go into decode's answer.
-                let refusal = if prefill.decode.len_with_kv(kv.len()) > limit {
+                let mut refusal = if prefill.decode.len_with_kv(kv.len()) > limit {
                     Some(ClientError::decode_body_too_large(limit))
                 } else {
                     let copies = prefill.decode.prompt_logprobs_copies;
@@ -728,6 +756,20 @@ impl Session {
                         .filter(|size| size.saturating_add(REST_OF_ANSWER) > limit)
                         .map(|size| ClientError::prompt_logprobs_too_large(size, limit))
                 };
+                // Prompt logprobs wait in the VM until decode answers.
+                let mut held_logprobs = None;
+                if let (None, Some(logprobs)) = (&refusal, prompt_logprobs) {
+                    match self.held.reserve(logprobs.len()) {
+                        Some(reservation) => {
+                            held_logprobs = Some(HeldLogprobs {
+                                api: prefill.api,
+                                logprobs,
+                                _reservation: reservation,
+                            });
+                        }
+                        None => refusal = Some(ClientError::vm_budget_full(self.held.limit())),
+                    }
+                }
                 if let Some(refusal) = refusal {
                     commands.extend(self.reject(&refusal));
                     let unread = UnreadKv {
@@ -758,7 +800,6 @@ impl Session {
                 let prompt_usage = merges_usage
                     .then(|| prompt_usage(prefill.api, body).map(|usage| (prefill.api, usage)))
                     .flatten();
-                let prompt_logprobs = prompt_logprobs.map(|logprobs| (prefill.api, logprobs));
                 let unread_kv = config.release_kv_on_abandon.then(|| UnreadKv {
                     kv_transfer_params: kv.to_vec(),
                     model: prefill.model,
@@ -772,7 +813,7 @@ impl Session {
                     unread_kv,
                     prompt_usage,
                     stream_usage,
-                    prompt_logprobs,
+                    prompt_logprobs: held_logprobs,
                     answer: AnswerRewrite::Untouched,
                 };
                 commands
@@ -819,7 +860,7 @@ impl Session {
         };
         // The prefill body is rebuilt rather than kept: retries are rare, memory is not.
         match &prefill.original {
-            HeldBody::Whole(original) => {
+            HeldBody::Whole { body: original, .. } => {
                 let prepared = prepare(prefill.api, original);
                 self.retry(prefill, prepared, failure, budget_left, now)
             }
@@ -1165,8 +1206,8 @@ impl Session {
                 let current = merged.as_deref().unwrap_or(body);
                 prompt_logprobs
                     .as_ref()
-                    .and_then(|(api, logprobs)| {
-                        prompt_logprobs::into_answer(*api, current, logprobs)
+                    .and_then(|held| {
+                        prompt_logprobs::into_answer(held.api, current, &held.logprobs)
                     })
                     .or(merged)
             }

@@ -1073,3 +1073,57 @@ async fn a_clients_envoy_retry_headers_never_send_decode_the_request_twice() {
     }
     assert_still_serves("default").await;
 }
+
+/// Prompt logprobs wait in the VM until decode answers, and whole bodies while prefill
+/// works: Envoy's heap monitor cannot see that memory, and an allocation the VM cannot make
+/// kills it for every request on its worker (an audit did so with 180 streams of 280 KB
+/// asking for 8 MB of prompt logprobs each). Past the VM's budget a request is refused
+/// with a 503 and its KV released; the VM lives, and serves again once the others finish.
+#[tokio::test]
+async fn requests_that_hold_memory_in_the_vm_are_refused_past_its_budget() {
+    const CLIENTS: usize = 6;
+    let words: Vec<String> = (0..14_000).map(|i| format!("w{i}")).collect();
+    let prompt = format!("{} mock:decode_delay_ms=1500", words.join(" "));
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 3, "prompt_logprobs": 1});
+    let ids: Vec<String> = (0..CLIENTS).map(|_| unique_id("vm-budget")).collect();
+    let replies = futures_util::future::join_all(ids.iter().map(|id| {
+        Request::post("small_vm_budget", "/v1/completions")
+            .id(id)
+            .body(body.to_string())
+            .send()
+    }))
+    .await;
+    let mut served = 0;
+    for (id, reply) in ids.iter().zip(&replies) {
+        match reply.status {
+            200 => {
+                served += 1;
+                let logprobs = &reply.json()["choices"][0]["prompt_logprobs"];
+                assert!(
+                    logprobs.as_array().is_some_and(|l| l.len() > 10_000),
+                    "{id}"
+                );
+            }
+            503 => {
+                assert_filter_error(reply, 503, id);
+                assert!(reply.body.contains("max_vm_held_bytes"), "{}", reply.body);
+                assert!(decoded(id)
+                    .iter()
+                    .all(|r| r.header("x-pd-kv-release") == Some("1")));
+            }
+            status => panic!("{id}: {status} {}", preview(&reply.body)),
+        }
+    }
+    // Two workers, each with room for two: two to four served, whichever worker took which.
+    assert!((2..=4).contains(&served), "{served} of {CLIENTS} served");
+    assert_healthy();
+    let again = Request::post("small_vm_budget", "/v1/completions")
+        .id(&unique_id("vm-budget-after"))
+        .body(
+            json!({"model": "m", "prompt": words[..50].join(" "), "prompt_logprobs": 1})
+                .to_string(),
+        )
+        .send()
+        .await;
+    assert_eq!(again.status, 200, "{}", preview(&again.body));
+}

@@ -46,6 +46,17 @@ impl ClientError {
         )
     }
 
+    /// The VM holds as much as `max_vm_held_bytes` lets it: a whole body or prompt logprobs
+    /// more would go past it.
+    pub fn vm_budget_full(limit: usize) -> ClientError {
+        ClientError::new(
+            503,
+            format!(
+                "pd-filter is holding as many large request bodies and prompt logprobs as it                  may ({limit} bytes per Envoy worker, max_vm_held_bytes); retry shortly"
+            ),
+        )
+    }
+
     /// Prefill's prompt logprobs (`size` bytes) would make decode's answer larger than the
     /// answers the filter holds.
     pub fn prompt_logprobs_too_large(size: usize, limit: usize) -> ClientError {

@@ -12,7 +12,8 @@ fn at(offset_ms: u64) -> SystemTime {
 
 fn session(config: &str) -> Session {
     let config = Config::from_json(config.as_bytes()).unwrap();
-    Session::new(Some(Rc::new(config)))
+    let held = HeldBytes::new(config.max_vm_held_bytes);
+    Session::new(Some(Rc::new(config)), held)
 }
 
 fn headers(method: &str, path: &str, extra: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
@@ -984,7 +985,7 @@ fn a_request_id_is_made_when_the_client_has_none() {
 
 #[test]
 fn without_configuration_every_request_is_500() {
-    let mut s = Session::new(None);
+    let mut s = Session::new(None, HeldBytes::new(0));
     let step = s.on_request_headers(&post("/v1/completions"), false);
     assert_eq!(reply(&step.commands).0, 500);
 }
@@ -1653,4 +1654,77 @@ fn a_reset_prefill_call_with_prompt_logprobs_is_not_sent_again() {
     assert!(commands
         .iter()
         .any(|c| matches!(c, Command::DispatchPrefill(_))));
+}
+
+#[test]
+fn what_requests_hold_in_the_vm_stays_within_its_budget() {
+    // Two requests' worth of a whole body each (the client's own kv_transfer_params keep
+    // it whole), in a VM whose budget holds only one.
+    let config = r#"{"max_request_body_bytes":300,"max_vm_held_bytes":300}"#;
+    let config = Rc::new(Config::from_json(config.as_bytes()).unwrap());
+    let held = HeldBytes::new(config.max_vm_held_bytes);
+    let whole = format!(
+        r#"{{"prompt":"{}","max_tokens":5,"kv_transfer_params":{{"a":1}}}}"#,
+        "x".repeat(150)
+    );
+    let mut first = Session::new(Some(config.clone()), held.clone());
+    let step = send(&mut first, &post("/v1/completions"), &whole);
+    assert!(!has_reply(&step.commands));
+    assert_eq!(held.held(), whole.len());
+    let mut second = Session::new(Some(config.clone()), held.clone());
+    let step = send(&mut second, &post("/v1/completions"), &whole);
+    let (status, body) = reply(&step.commands);
+    assert_eq!(status, 503, "{body}");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("max_vm_held_bytes"));
+    assert!(!step
+        .commands
+        .iter()
+        .any(|c| matches!(c, Command::DispatchPrefill(_))));
+    // A body whose edit needs only its head costs the budget nothing.
+    let mut head_only = Session::new(Some(config.clone()), held.clone());
+    let step = send(
+        &mut head_only,
+        &post("/v1/completions"),
+        r#"{"prompt":"y"}"#,
+    );
+    assert!(!has_reply(&step.commands));
+    // Once the first request's body is no longer needed, the next one fits.
+    first.on_prefill_dispatched(Some(1), at(0));
+    first.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert_eq!(held.held(), 0);
+    let mut third = Session::new(Some(config.clone()), held.clone());
+    assert!(!has_reply(
+        &send(&mut third, &post("/v1/completions"), &whole).commands
+    ));
+    drop(third);
+    assert_eq!(held.held(), 0, "a request that ends gives its share back");
+
+    // Prompt logprobs wait in the VM until decode answers: past the budget, the request
+    // is refused after prefill and its KV released.
+    let logprobs = format!("[null,{}]", "1".repeat(120_000));
+    let answer = format!(
+        r#"{{"id":"p","choices":[{{"text":"a","prompt_logprobs":{logprobs}}}],"kv_transfer_params":{KV}}}"#
+    );
+    let config = r#"{"max_request_body_bytes":200000,"max_vm_held_bytes":200000}"#;
+    let config = Rc::new(Config::from_json(config.as_bytes()).unwrap());
+    let held = HeldBytes::new(config.max_vm_held_bytes);
+    let asks = r#"{"prompt":"p","max_tokens":5,"prompt_logprobs":1}"#;
+    let mut decoding = Session::new(Some(config.clone()), held.clone());
+    send(&mut decoding, &post("/v1/completions"), asks);
+    decoding.on_prefill_dispatched(Some(1), at(0));
+    let commands = decoding.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+    assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
+    assert_eq!(held.held(), logprobs.len());
+    let mut refused = Session::new(Some(config.clone()), held.clone());
+    send(&mut refused, &post("/v1/completions"), asks);
+    refused.on_prefill_dispatched(Some(1), at(0));
+    let commands = refused.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+    assert_eq!(reply(&commands).0, 503);
+    released(&commands);
+    assert!(!commands.contains(&Command::ResumeRequest));
+    drop(decoding);
+    assert_eq!(held.held(), 0);
 }

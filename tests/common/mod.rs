@@ -129,6 +129,11 @@ pub const LISTENERS: &[Listener] = &[
         ..plain("tight_buffer", r#"{"max_request_body_bytes":65536}"#)
     },
     plain("usage_decode", r#"{"usage":"decode"}"#),
+    // Room in each VM for about two requests' prompt logprobs (tests/security.rs).
+    plain(
+        "small_vm_budget",
+        r#"{"max_request_body_bytes":1048576,"max_vm_held_bytes":2097152}"#,
+    ),
     // /v1/messages and /inference/v1/generate left out of `paths`: they are stripped paths,
     // and the mock decode records what reaches them.
     plain(
