@@ -1,8 +1,9 @@
 //! The calls of one Envoy worker, host-free: a request hands its calls to the worker (they
 //! must outlive it: prefill's answer still comes after its client left, and a KV release is
 //! for a request already gone), the worker sends them on its next turn, and routes each
-//! answer back by its token. Releases in flight are bounded; a release that failed because
-//! decode could not be reached is sent again a few times, later.
+//! answer back by its token. Releases in flight are bounded, and those past the bound wait
+//! for a slot; a release that failed because decode could not be reached is sent again a few
+//! times, later.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, SystemTime};
@@ -36,6 +37,9 @@ pub const RELEASE_ATTEMPTS: u32 = 3;
 const RETRY_AFTER: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(4)];
 /// A release body larger than this is not kept to be sent again.
 const RETRY_MAX_BODY: usize = 4096;
+/// Releases that may wait for a slot, per release that may be in flight: a burst of clients
+/// leaving at once (a few hundred bytes each) waits rather than strands its KV.
+const WAITING_PER_SLOT: usize = 16;
 
 pub struct Callouts<R> {
     jobs: VecDeque<Job<R>>,
@@ -44,6 +48,8 @@ pub struct Callouts<R> {
     /// Releases waiting to be sent again, each with when; as many at most as may be in
     /// flight.
     retries: VecDeque<(SystemTime, Retry)>,
+    /// Releases waiting for a slot, each with its attempt number.
+    waiting: VecDeque<(HttpCall, u32)>,
     wake_pending: bool,
 }
 
@@ -54,6 +60,7 @@ impl<R> Default for Callouts<R> {
             calls: HashMap::new(),
             releases: ReleaseBudget::new(0),
             retries: VecDeque::new(),
+            waiting: VecDeque::new(),
             wake_pending: false,
         }
     }
@@ -89,9 +96,29 @@ impl<R> Callouts<R> {
         self.calls.insert(token, Caller::Prefill(request));
     }
 
-    /// Takes a slot for a release; `false` when the bound is reached and it is dropped.
+    /// Takes a slot for a release; `false` when the bound is reached.
     pub fn start_release(&mut self) -> bool {
         self.releases.try_start()
+    }
+
+    /// Keeps attempt number `attempts` of a release that found no slot until one frees;
+    /// `false` when too many already wait (it is dropped).
+    pub fn wait_for_slot(&mut self, call: HttpCall, attempts: u32) -> bool {
+        let slots = usize::try_from(self.releases.max()).unwrap_or(usize::MAX);
+        if self.waiting.len() >= slots.saturating_mul(WAITING_PER_SLOT) {
+            return false;
+        }
+        self.waiting.push_back((call, attempts));
+        true
+    }
+
+    /// The release that has waited longest, with the slot it now holds; `None` when none
+    /// waits or no slot is free.
+    pub fn next_waiting_release(&mut self) -> Option<(HttpCall, u32)> {
+        if self.waiting.is_empty() || !self.releases.try_start() {
+            return None;
+        }
+        self.waiting.pop_front()
     }
 
     /// The release whose slot was taken went out with `token`, or (`None`) could not; it
@@ -212,6 +239,37 @@ mod tests {
             callouts.start_release(),
             "a release that never went out frees its slot"
         );
+    }
+
+    #[test]
+    fn releases_past_the_bound_wait_for_a_slot_in_order() {
+        let mut callouts: Callouts<&str> = Callouts::default();
+        callouts.set_release_bound(1);
+        assert!(callouts.start_release());
+        callouts.release_sent(Some(1), &call(), 1);
+        assert!(!callouts.start_release());
+        let named = |cluster: &str| HttpCall {
+            cluster: cluster.into(),
+            ..call()
+        };
+        for n in 0..WAITING_PER_SLOT {
+            assert!(callouts.wait_for_slot(named(&n.to_string()), 1));
+        }
+        assert!(
+            !callouts.wait_for_slot(named("late"), 1),
+            "the wait is bounded"
+        );
+        assert!(callouts.next_waiting_release().is_none(), "no slot yet");
+        callouts.answered(1);
+        let (first, attempts) = callouts.next_waiting_release().unwrap();
+        assert_eq!((first.cluster.as_str(), attempts), ("0", 1));
+        assert!(
+            callouts.next_waiting_release().is_none(),
+            "its slot is taken"
+        );
+        callouts.release_sent(Some(2), &first, attempts);
+        callouts.answered(2);
+        assert_eq!(callouts.next_waiting_release().unwrap().0.cluster, "1");
     }
 
     #[test]

@@ -273,12 +273,33 @@ impl Worker {
         self.act_on(request, commands, context, clock);
     }
 
-    /// Sends attempt number `attempts` (from 1) of a release.
+    /// Sends attempt number `attempts` (from 1) of a release, or keeps it until a release
+    /// in flight has answered.
     fn dispatch_release(&self, call: &HttpCall, attempts: u32) {
         if !self.callouts.borrow_mut().start_release() {
-            self.record(Metric::KvReleaseDropped);
+            let waits = self
+                .callouts
+                .borrow_mut()
+                .wait_for_slot(call.clone(), attempts);
+            if !waits {
+                self.record(Metric::KvReleaseDropped);
+            }
             return;
         }
+        self.send_release(call, attempts);
+    }
+
+    /// Sends the releases that waited for the slots now free.
+    fn send_waiting_releases(&self) {
+        loop {
+            let next = self.callouts.borrow_mut().next_waiting_release();
+            let Some((call, attempts)) = next else { break };
+            self.send_release(&call, attempts);
+        }
+    }
+
+    /// Sends a release whose slot is taken.
+    fn send_release(&self, call: &HttpCall, attempts: u32) {
         let token = self.dispatch(call);
         self.callouts
             .borrow_mut()
@@ -351,6 +372,7 @@ impl Worker {
                 } else {
                     self.record(Metric::KvReleaseFailed);
                 }
+                self.send_waiting_releases();
             }
             None => {}
         }

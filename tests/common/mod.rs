@@ -129,6 +129,8 @@ pub const LISTENERS: &[Listener] = &[
         ..plain("tight_buffer", r#"{"max_request_body_bytes":65536}"#)
     },
     plain("usage_decode", r#"{"usage":"decode"}"#),
+    // One KV release in flight per worker: the others wait (tests/kv_release.rs).
+    plain("one_release", r#"{"max_kv_releases_in_flight":1}"#),
     // Room in each VM for about two requests' prompt logprobs (tests/security.rs).
     plain(
         "small_vm_budget",
