@@ -108,19 +108,33 @@ fn api() -> impl Strategy<Value = Api> {
 }
 
 /// The object as a JSON parser that keeps the last duplicate (like Python's) sees it.
-/// The prepared request; `None` when the filter refused it for a completions `prompt` that
-/// lists several prompts (strings or token lists), which is then checked to be so. Every
-/// other object is accepted.
+/// The prepared request; `None` when the filter refused it as vLLM would: a completions
+/// `prompt` that lists several prompts (strings or token lists), or `stream_options` without
+/// `stream` (Python's truth of each), which is then checked to be so. Every other object is
+/// accepted.
 fn prepared_unless_several_prompts(api: Api, text: &str) -> Option<PreparedRequest> {
     match prepare(api, text.as_bytes()) {
         Ok(prepared) => Some(prepared),
         Err(error) => {
-            let prompt = &parse_last_wins(text.as_bytes())["prompt"];
+            let object = parse_last_wins(text.as_bytes());
+            let field = |key: &str| object.get(key).cloned().unwrap_or(Value::Null);
+            let prompt = &field("prompt");
             let several = prompt.as_array().is_some_and(|prompts| {
                 prompts.len() > 1 && (prompts[0].is_string() || prompts[0].is_array())
             });
+            let truthy = |value: &Value| match value {
+                Value::Null | Value::Bool(false) => false,
+                Value::Number(number) => number.as_f64() != Some(0.0),
+                Value::String(text) => !text.is_empty(),
+                Value::Array(items) => !items.is_empty(),
+                Value::Object(members) => !members.is_empty(),
+                Value::Bool(true) => true,
+            };
+            let options_without_stream = api != Api::Responses
+                && truthy(&field("stream_options"))
+                && !truthy(&field("stream"));
             assert!(
-                api == Api::Completions && several,
+                (api == Api::Completions && several) || options_without_stream,
                 "refused: {text}: {}",
                 error.message
             );

@@ -183,6 +183,15 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
              are computed on prefill; ask for them without stream",
         ));
     }
+    if matches!(api, Api::Completions | Api::ChatCompletions)
+        && object.last_value("stream_options").is_some_and(truthy)
+        && !object.last_value("stream").is_some_and(truthy)
+    {
+        // vLLM's own check, made before prefill runs for a request decode would refuse.
+        return Err(ClientError::bad_request(
+            "Stream options can only be defined when `stream=True`.",
+        ));
+    }
     let echo_top_logprobs = object.last_value("top_logprobs") != Some(b"null");
     if api == Api::ChatCompletions && object.is_true("echo") && echo_top_logprobs {
         // vLLM takes chat's echo as a request for prompt logprobs (top_logprobs, 0 unless
@@ -439,6 +448,21 @@ fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
     params.splice(edit, append).write(params.text(), b"")
 }
 
+/// Whether a JSON value is true to Python (`bool(value)`), as vLLM's checks of the raw
+/// request read it: not null, false, zero, or an empty string, array or object.
+fn truthy(value: &[u8]) -> bool {
+    match serde_json::from_slice::<serde_json::Value>(value) {
+        Ok(serde_json::Value::Null | serde_json::Value::Bool(false)) => false,
+        Ok(serde_json::Value::Bool(true)) => true,
+        Ok(serde_json::Value::Number(number)) => number.as_f64().is_some_and(|n| n != 0.0),
+        Ok(serde_json::Value::String(text)) => !text.is_empty(),
+        Ok(serde_json::Value::Array(items)) => !items.is_empty(),
+        Ok(serde_json::Value::Object(members)) => !members.is_empty(),
+        // Not JSON: the body was validated, so never in practice.
+        Err(_) => true,
+    }
+}
+
 /// Whether a completions request asks for prompt logprobs through `echo`: vLLM then takes
 /// `logprobs` as `prompt_logprobs` (unless those are given) and writes the echoed prompt's
 /// logprobs into each choice's `logprobs`, which decode on prefill's KV cannot compute.
@@ -687,6 +711,31 @@ mod tests {
             json!({"model":"m","prompt":"hi","max_tokens":1,"stream":false,"n":1,
                    "temperature":0.7,"kv_transfer_params":remote_decode()})
         );
+    }
+
+    #[test]
+    fn stream_options_without_stream_are_refused_before_prefill_as_vllm_refuses_them() {
+        for body in [
+            r#"{"prompt":"x","stream_options":{"include_usage":true}}"#,
+            r#"{"prompt":"x","stream":false,"stream_options":{"include_usage":false}}"#,
+            r#"{"prompt":"x","stream":0,"stream_options":{"a":1}}"#,
+        ] {
+            let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
+            assert_eq!(error.status, 400, "{body}");
+            assert!(error.message.contains("stream=True"), "{body}");
+        }
+        // What vLLM lets through: empty or null options, or a stream.
+        for body in [
+            r#"{"prompt":"x","stream_options":{}}"#,
+            r#"{"prompt":"x","stream_options":null,"stream":false}"#,
+            r#"{"prompt":"x","stream_options":{"include_usage":true},"stream":true}"#,
+        ] {
+            assert!(prepare(Api::Completions, body.as_bytes()).is_ok(), "{body}");
+        }
+        let chat = r#"{"messages":[],"stream_options":{"include_usage":true}}"#;
+        assert!(prepare(Api::ChatCompletions, chat.as_bytes()).is_err());
+        let responses = r#"{"input":"x","stream_options":{"include_usage":true}}"#;
+        assert!(prepare(Api::Responses, responses.as_bytes()).is_ok());
     }
 
     #[test]
