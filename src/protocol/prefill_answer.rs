@@ -62,7 +62,8 @@ impl PrefillFailure {
             FailureKind::Unreachable,
             503,
             format!(
-                "prefill request could not be sent to cluster {cluster:?}; is it defined in Envoy?"
+                "prefill request could not be sent to cluster {cluster:?}: Envoy has no such \
+                 cluster, or refused the call at once (no healthy host, or a full pool)"
             ),
         )
     }
