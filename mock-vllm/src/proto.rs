@@ -246,9 +246,30 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Parsed, String> {
             "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)".into(),
         );
     }
-    Ok(Parsed {
-        endpoint: Endpoint::Messages,
-        stream: obj.get("stream") == Some(&Value::Bool(true)),
+    let stream = obj.get("stream") == Some(&Value::Bool(true));
+    Ok(one_sequence(
+        Endpoint::Messages,
+        obj,
+        stream,
+        limit,
+        model,
+        &texts,
+    ))
+}
+
+/// A request of an API that generates one sequence and has no prompt logprobs: Messages and
+/// Cohere's chat, whose streams report usage in events of their own.
+fn one_sequence(
+    endpoint: Endpoint,
+    obj: &Map<String, Value>,
+    stream: bool,
+    limit: i64,
+    model: String,
+    texts: &[String],
+) -> Parsed {
+    Parsed {
+        endpoint,
+        stream,
         include_usage: false,
         limit: limit as u64,
         n: 1,
@@ -257,7 +278,7 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Parsed, String> {
         kv: obj.get("kv_transfer_params").cloned(),
         prompt_logprobs: None,
         request_id: None,
-    })
+    }
 }
 
 /// `POST /cohere/v2/chat`: one limit, `max_tokens` (non-negative; without it, the rest of the
@@ -296,19 +317,14 @@ fn parse_cohere(obj: &Map<String, Value>) -> Result<Parsed, String> {
             texts.push(text);
         }
     }
-    Ok(Parsed {
-        endpoint: Endpoint::Cohere,
+    Ok(one_sequence(
+        Endpoint::Cohere,
+        obj,
         stream,
-        // A Cohere stream always ends with its usage.
-        include_usage: true,
-        limit: limit as u64,
-        n: 1,
+        limit,
         model,
-        prompt: texts.join("\n"),
-        kv: obj.get("kv_transfer_params").cloned(),
-        prompt_logprobs: None,
-        request_id: None,
-    })
+        &texts,
+    ))
 }
 
 /// Text of an Anthropic `content` or `system`: a string, or content blocks (objects with a
