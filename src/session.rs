@@ -1013,18 +1013,25 @@ impl Session {
     }
 
     fn fail(&mut self, failure: &PrefillFailure) -> Vec<Command> {
-        log::warn!(
-            "[{}] prefill failure ({}): answering {}: {}",
-            self.request_id,
-            failure.kind.name(),
-            failure.error.status,
-            failure.error.message
-        );
         let mut commands = Vec::new();
-        // A request prefill refused is the client's mistake, not a prefill failure.
+        // A request prefill refused is the client's mistake, not a prefill failure: no
+        // warning for what any client can send.
         if failure.is_client_error() {
+            log::info!(
+                "[{}] prefill refused the request: answering {}: {}",
+                self.request_id,
+                failure.error.status,
+                failure.error.message
+            );
             commands.extend(self.outcome(Outcome::ClientError));
         } else {
+            log::warn!(
+                "[{}] prefill failure ({}): answering {}: {}",
+                self.request_id,
+                failure.kind.name(),
+                failure.error.status,
+                failure.error.message
+            );
             commands.push(Command::Record(Metric::PrefillFailure(failure.kind)));
             commands.extend(self.outcome(Outcome::PrefillFailed));
         }

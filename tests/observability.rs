@@ -209,6 +209,17 @@ async fn stats_logs_and_prefill_time_header() {
         );
     }
     assert!(!log.contains(&happy_id), "happy path logged at info level");
+    // A request prefill refused is the client's: an info line, no warning.
+    let refusal: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains(id.as_str()))
+        .collect();
+    assert_eq!(refusal.len(), 1, "{refusal:#?}");
+    assert!(
+        refusal[0].contains("[info]") && refusal[0].contains("prefill refused the request"),
+        "{}",
+        refusal[0]
+    );
 }
 
 /// One row of the README's table of stats.
