@@ -299,9 +299,12 @@ struct Pending {
     scheduled_hosts: Vec<SocketAddr>,
 }
 
+/// The longest `model` a request keeps for its KV release.
+const MAX_KEPT_MODEL_LEN: usize = 1024;
+
 /// What the filter keeps of the client's body while prefill works. Envoy holds the body
 /// until the request resumes; the filter keeps its own copy only when decode's edit needs
-/// more than the head, and reads the body again from Envoy for a retry. So a request in
+/// more than its head, and reads the body again from Envoy for a retry. So a request in
 /// prefill costs its body once, in Envoy's heap, where the overload manager sees it.
 enum HeldBody {
     /// All of it, counted against the VM's budget.
@@ -309,8 +312,9 @@ enum HeldBody {
         body: Vec<u8>,
         _reservation: Reservation,
     },
-    /// The first bytes, up to where prefill's `kv_transfer_params` go in.
-    Head(Vec<u8>),
+    /// None of it: prefill's `kv_transfer_params` go in as the first member, in place of
+    /// the body's first bytes up to its opening brace ([`DecodePlan::head_len`]).
+    HeadOnly,
 }
 
 impl HeldBody {
@@ -318,9 +322,7 @@ impl HeldBody {
     /// budget has no room for it.
     fn keep(body: Vec<u8>, plan: &DecodePlan, held: &HeldBytes) -> Option<HeldBody> {
         match plan.head_len() {
-            Some(len) if len < body.len() => {
-                Some(HeldBody::Head(body.get(..len).unwrap_or_default().to_vec()))
-            }
+            Some(len) if len < body.len() => Some(HeldBody::HeadOnly),
             _ => {
                 let reservation = held.reserve(body.len())?;
                 Some(HeldBody::Whole {
@@ -331,10 +333,11 @@ impl HeldBody {
         }
     }
 
-    /// The bytes kept: all of the body, or enough of it for decode's edit.
+    /// The bytes kept: all of the body, or none.
     fn bytes(&self) -> &[u8] {
         match self {
-            HeldBody::Whole { body, .. } | HeldBody::Head(body) => body,
+            HeldBody::Whole { body, .. } => body,
+            HeldBody::HeadOnly => &[],
         }
     }
 }
@@ -635,13 +638,16 @@ impl Session {
                 .to_owned(),
         };
         let Some(original) = HeldBody::keep(body, &prepared.decode, &self.held) else {
-            let error = ClientError::vm_budget_full(self.held.limit());
-            return Step::new(Flow::Pause, self.reject(&error));
+            return Step::new(Flow::Pause, self.refuse_overloaded());
         };
         let prefill = Prefill {
             api: pending.api,
             original,
-            model: prepared.model,
+            // Kept for the KV release's model and cluster; a name longer than any model's
+            // (which matched no configured pool) is not kept in the VM.
+            model: prepared
+                .model
+                .filter(|model| model.len() <= MAX_KEPT_MODEL_LEN),
             decode: prepared.decode,
             cluster,
             prefill_headers: pending.prefill_headers,
@@ -746,7 +752,7 @@ impl Session {
                 // Envoy would refuse to buffer a larger body, answering on its own while the
                 // filter is still in this callback; prompt logprobs larger than the answers
                 // the filter holds could not go into decode's answer.
-                let mut refusal = if prefill.decode.len_with_kv(kv.len()) > limit {
+                let refusal = if prefill.decode.len_with_kv(kv.len()) > limit {
                     Some(ClientError::decode_body_too_large(limit))
                 } else {
                     let copies = prefill.decode.prompt_logprobs_copies;
@@ -756,8 +762,9 @@ impl Session {
                         .filter(|size| size.saturating_add(REST_OF_ANSWER) > limit)
                         .map(|size| ClientError::prompt_logprobs_too_large(size, limit))
                 };
-                // Prompt logprobs wait in the VM until decode answers.
+                // Prompt logprobs wait in the VM until they go into decode's answer.
                 let mut held_logprobs = None;
+                let mut overloaded = false;
                 if let (None, Some(logprobs)) = (&refusal, prompt_logprobs) {
                     match self.held.reserve(logprobs.len()) {
                         Some(reservation) => {
@@ -767,11 +774,14 @@ impl Session {
                                 _reservation: reservation,
                             });
                         }
-                        None => refusal = Some(ClientError::vm_budget_full(self.held.limit())),
+                        None => overloaded = true,
                     }
                 }
-                if let Some(refusal) = refusal {
-                    commands.extend(self.reject(&refusal));
+                if refusal.is_some() || overloaded {
+                    commands.extend(match &refusal {
+                        Some(refusal) => self.reject(refusal),
+                        None => self.refuse_overloaded(),
+                    });
                     let unread = UnreadKv {
                         model: prefill.model,
                         kv_transfer_params: kv.to_vec(),
@@ -864,7 +874,7 @@ impl Session {
                 let prepared = prepare(prefill.api, original);
                 self.retry(prefill, prepared, failure, budget_left, now)
             }
-            HeldBody::Head(_) => {
+            HeldBody::HeadOnly => {
                 self.state = State::RereadingForRetry {
                     prefill,
                     failure,
@@ -1125,6 +1135,10 @@ impl Session {
         {
             flow = Flow::Pause;
         }
+        if !matches!(rewrite, Some(AnswerRewrite::Whole { .. })) {
+            // Only a whole JSON answer gets them: they no longer hold the VM's memory.
+            *prompt_logprobs = None;
+        }
         if let Some(rewrite) = rewrite {
             // Headers that go on before the answer is rewritten cannot tell its length:
             // Envoy frames it.
@@ -1162,7 +1176,11 @@ impl Session {
     pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
         let limit = self.config_limit().unwrap_or_default();
         match &mut self.state {
-            State::Decoding { answer, .. } => match answer {
+            State::Decoding {
+                answer,
+                prompt_logprobs,
+                ..
+            } => match answer {
                 AnswerRewrite::Untouched => BodyStep::Step(Step::new(Flow::Continue, vec![])),
                 // An empty chunk (often the stream's end) with nothing held changes nothing.
                 AnswerRewrite::Events(events) if size == 0 && !events.holds_bytes() => {
@@ -1172,6 +1190,7 @@ impl Session {
                 // Larger than any answer worth holding: it goes on as it is.
                 AnswerRewrite::Whole { .. } if size > limit => {
                     *answer = AnswerRewrite::Untouched;
+                    *prompt_logprobs = None;
                     warn_answer_too_large(&self.request_id, limit);
                     BodyStep::Step(Step::new(Flow::Continue, vec![]))
                 }
@@ -1211,8 +1230,9 @@ impl Session {
                     .as_ref()
                     .and_then(|(api, prompt)| merge_answer(*api, body, prompt));
                 let current = merged.as_deref().unwrap_or(body);
+                // Used once: the VM's memory they held is given back with them.
                 prompt_logprobs
-                    .as_ref()
+                    .take()
                     .and_then(|held| {
                         prompt_logprobs::into_answer(held.api, current, &held.logprobs)
                     })
@@ -1418,6 +1438,20 @@ impl Session {
         let mut commands = vec![Command::Record(Metric::BadRequest)];
         commands.extend(self.outcome(Outcome::ClientError));
         commands.push(self.reply(error));
+        commands
+    }
+
+    /// The VM holds as much as `max_vm_held_bytes` lets it: a 503, which is not the
+    /// client's mistake.
+    fn refuse_overloaded(&mut self) -> Vec<Command> {
+        log::info!(
+            "[{}] refused with 503: the VM holds {} of max_vm_held_bytes {}",
+            self.request_id,
+            self.held.held(),
+            self.held.limit()
+        );
+        let mut commands = self.outcome(Outcome::Overloaded);
+        commands.push(self.reply(&ClientError::vm_budget_full(self.held.limit())));
         commands
     }
 

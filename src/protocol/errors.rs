@@ -52,7 +52,8 @@ impl ClientError {
         ClientError::new(
             503,
             format!(
-                "pd-filter is holding as many large request bodies and prompt logprobs as it                  may ({limit} bytes per Envoy worker, max_vm_held_bytes); retry shortly"
+                "pd-filter is holding as many large request bodies and prompt logprobs as it \
+                 may ({limit} bytes per Envoy worker, max_vm_held_bytes); retry shortly"
             ),
         )
     }

@@ -209,10 +209,20 @@ fn upstream_error(body: &[u8]) -> (Option<String>, String) {
         #[serde(rename = "type")]
         error_type: Option<String>,
     }
+    /// vLLM's older `{"object":"error","message",…}` and its Cohere API's `{"message"}`.
+    #[derive(serde::Deserialize)]
+    struct Flat {
+        message: String,
+        #[serde(rename = "type")]
+        error_type: Option<String>,
+    }
     if let Ok(Envelope { error }) = serde_json::from_slice::<Envelope>(body) {
         if let Some(message) = error.message {
             return (error.error_type, truncated(&message).to_owned());
         }
+    }
+    if let Ok(flat) = serde_json::from_slice::<Flat>(body) {
+        return (flat.error_type, truncated(&flat.message).to_owned());
     }
     let text = String::from_utf8_lossy(body);
     let text = text.trim();
@@ -282,6 +292,12 @@ mod tests {
         assert_eq!(failure(Some(422), old_shape).error.to_json(), old_shape);
         let cohere = br#"{"message":"max_tokens must be non-negative","id":"r1"}"#;
         assert_eq!(failure(Some(400), cohere).error.to_json(), cohere);
+        // Quoted by its message where the filter names prefill's failure.
+        let unavailable = failure(Some(503), br#"{"message":"overloaded","id":"r2"}"#);
+        assert_eq!(
+            unavailable.error.message,
+            "prefill is unavailable (503): overloaded"
+        );
         let text = failure(Some(404), b"Not Found").error.to_json();
         assert!(text.starts_with(br#"{"error":{"message":"prefill rejected the request (404)"#));
         let err = rejected.error;

@@ -87,7 +87,12 @@ pub struct DecodePlan {
 impl DecodePlan {
     /// The length of decode's body with `kv_transfer_params` of `kv_len` bytes.
     pub fn len_with_kv(&self, kv_len: usize) -> usize {
-        self.with_kv.len(kv_len)
+        let written = self.with_kv.len(kv_len);
+        // A new head leaves out what came before the opening brace.
+        match self.first_member {
+            Some(after_brace) => written.saturating_sub(after_brace.saturating_sub(1)),
+            None => written,
+        }
     }
 
     /// How many of the client's first bytes decode's edit reads, when that is not all of
@@ -100,15 +105,16 @@ impl DecodePlan {
 
     /// Decode's body as an edit of the client's `original`: the client's bytes with
     /// `kv_transfer_params` set to prefill's. Where the client sent none, they go in as the
-    /// first member and only the head is written; else the whole body is.
+    /// first member, and only the head up to the opening brace is written (without what
+    /// came before the brace: a byte order mark, whitespace), so that none of `original` is
+    /// needed; else the whole body is written.
     pub fn edit_with_kv(&self, original: &[u8], kv_transfer_params: &[u8]) -> BodyEdit {
         let text = json_text(original, self.json_start);
         match self.first_member {
             Some(after_brace) => {
                 let member = KV_TRANSFER_PARAMS.len() + 4 + kv_transfer_params.len();
-                let mut head = Vec::with_capacity(after_brace + member);
-                head.extend_from_slice(text.get(..after_brace).unwrap_or_default());
-                head.push(b'"');
+                let mut head = Vec::with_capacity(1 + member);
+                head.extend_from_slice(b"{\"");
                 head.extend_from_slice(KV_TRANSFER_PARAMS.as_bytes());
                 head.extend_from_slice(b"\":");
                 head.extend_from_slice(kv_transfer_params);
@@ -449,17 +455,24 @@ fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
 }
 
 /// Whether a JSON value is true to Python (`bool(value)`), as vLLM's checks of the raw
-/// request read it: not null, false, zero, or an empty string, array or object.
+/// request read it: not null, false, zero, or an empty string, array or object. `value` is
+/// valid JSON (the body was validated); it is read without building it, whatever its size.
 fn truthy(value: &[u8]) -> bool {
-    match serde_json::from_slice::<serde_json::Value>(value) {
-        Ok(serde_json::Value::Null | serde_json::Value::Bool(false)) => false,
-        Ok(serde_json::Value::Bool(true)) => true,
-        Ok(serde_json::Value::Number(number)) => number.as_f64().is_some_and(|n| n != 0.0),
-        Ok(serde_json::Value::String(text)) => !text.is_empty(),
-        Ok(serde_json::Value::Array(items)) => !items.is_empty(),
-        Ok(serde_json::Value::Object(members)) => !members.is_empty(),
-        // Not JSON: the body was validated, so never in practice.
-        Err(_) => true,
+    let inner = |open: u8, close: u8| {
+        value
+            .strip_prefix(&[open])
+            .and_then(|rest| rest.strip_suffix(&[close]))
+            .is_some_and(|inside| !inside.iter().all(u8::is_ascii_whitespace))
+    };
+    match value.first() {
+        Some(b'{') => inner(b'{', b'}'),
+        Some(b'[') => inner(b'[', b']'),
+        Some(b'"') => value.len() > 2,
+        Some(b'-' | b'0'..=b'9') => std::str::from_utf8(value)
+            .ok()
+            .and_then(|number| number.parse::<f64>().ok())
+            .is_none_or(|number| number != 0.0),
+        _ => value == b"true",
     }
 }
 
@@ -714,6 +727,27 @@ mod tests {
     }
 
     #[test]
+    fn json_values_are_true_or_false_as_python_reads_them() {
+        for value in [
+            "true",
+            "1",
+            "-0.5",
+            "1e999",
+            "\"x\"",
+            "\"\\u0000\"",
+            "[0]",
+            "{\"a\":0}",
+        ] {
+            assert!(truthy(value.as_bytes()), "{value}");
+        }
+        for value in [
+            "false", "null", "0", "-0", "0.0", "0e5", "\"\"", "[]", "[ ]", "{}", "{\n}",
+        ] {
+            assert!(!truthy(value.as_bytes()), "{value}");
+        }
+    }
+
+    #[test]
     fn stream_options_without_stream_are_refused_before_prefill_as_vllm_refuses_them() {
         for body in [
             r#"{"prompt":"x","stream_options":{"include_usage":true}}"#,
@@ -911,11 +945,18 @@ mod tests {
         let original = b"  {\"prompt\":\"x\"} ";
         let prepared = prepare(Api::Completions, original).unwrap();
         let edit = prepared.decode.edit_with_kv(original, kv);
-        assert_eq!(edit.head, br#"  {"kv_transfer_params":{"k":1},"#);
+        // Whitespace before the brace is not written again: the head needs none of the
+        // client's bytes, so the filter keeps none of them while prefill works.
+        assert_eq!(edit.head, br#"{"kv_transfer_params":{"k":1},"#);
         assert_eq!(edit.replaced_len, 3);
         assert_eq!(
             edit.apply(original),
-            br#"  {"kv_transfer_params":{"k":1},"prompt":"x"} "#
+            br#"{"kv_transfer_params":{"k":1},"prompt":"x"} "#
+        );
+        assert_eq!(
+            prepared.decode.edit_with_kv(b"", kv).head,
+            edit.head,
+            "the same without the client's bytes"
         );
         // With the client's own kv_transfer_params, or no member at all: the whole body.
         for original in [&br#"{"kv_transfer_params":0,"prompt":"x"}"#[..], b" {} "] {

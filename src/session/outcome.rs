@@ -11,14 +11,17 @@ pub enum Outcome {
     ClientError,
     /// Answered 5xx because prefill failed.
     PrefillFailed,
+    /// Answered 503 because the filter held as much as it may (`max_vm_held_bytes`).
+    Overloaded,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 4] = [
+    pub const ALL: [Outcome; 5] = [
         Outcome::Decoded,
         Outcome::DecodeOnly,
         Outcome::ClientError,
         Outcome::PrefillFailed,
+        Outcome::Overloaded,
     ];
 
     pub fn name(self) -> &'static str {
@@ -27,6 +30,7 @@ impl Outcome {
             Outcome::DecodeOnly => "decode_only",
             Outcome::ClientError => "client_error",
             Outcome::PrefillFailed => "prefill_failed",
+            Outcome::Overloaded => "overloaded",
         }
     }
 }

@@ -1725,6 +1725,37 @@ fn what_requests_hold_in_the_vm_stays_within_its_budget() {
     assert_eq!(reply(&commands).0, 503);
     released(&commands);
     assert!(!commands.contains(&Command::ResumeRequest));
-    drop(decoding);
+    // Given back once they are in decode's answer, while the stream still lives (a client
+    // that does not read its answer keeps none of the budget).
+    let answer = br#"{"id":"d","choices":[{"text":"abc"}]}"#;
+    let length = answer.len().to_string();
+    decoding.on_response_headers(&ResponseHead {
+        content_length: Some(length.as_bytes()),
+        ..upstream(200)
+    });
+    assert_eq!(held.held(), logprobs.len());
+    assert_eq!(
+        decoding.on_response_body(answer.len(), false),
+        BodyStep::ReadBody
+    );
+    let step = decoding.on_response_body_read(answer, false);
+    assert!(matches!(
+        step.commands.as_slice(),
+        [Command::ReplaceResponseBody { .. }]
+    ));
     assert_eq!(held.held(), 0);
+    // An answer that does not get them (an error here) gives them back at its headers.
+    let mut refused_by_decode = Session::new(Some(config.clone()), held.clone());
+    send(&mut refused_by_decode, &post("/v1/completions"), asks);
+    refused_by_decode.on_prefill_dispatched(Some(1), at(0));
+    refused_by_decode.on_prefill_answer(1, Some(200), answer_with(&logprobs).as_bytes(), at(5));
+    assert_eq!(held.held(), logprobs.len());
+    refused_by_decode.on_response_headers(&upstream(400));
+    assert_eq!(held.held(), 0);
+}
+
+fn answer_with(logprobs: &str) -> String {
+    format!(
+        r#"{{"id":"p","choices":[{{"text":"a","prompt_logprobs":{logprobs}}}],"kv_transfer_params":{KV}}}"#
+    )
 }
