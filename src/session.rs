@@ -290,6 +290,8 @@ struct UnreadKv {
     model: Option<String>,
     kv_transfer_params: Vec<u8>,
     headers: Vec<(String, String)>,
+    /// The VM's budget these take.
+    _held: Reservation,
 }
 
 /// What request headers told about an orchestrated request.
@@ -358,6 +360,9 @@ struct Prefill {
     decode: DecodePlan,
     cluster: String,
     prefill_headers: Vec<(String, String)>,
+    /// The VM's budget the headers, model and request id take: a client's headers can be
+    /// tens of KB, and a request keeps them until its KV is known to be read.
+    headers_held: Reservation,
     scheduled_hosts: Vec<SocketAddr>,
     /// Number of the attempt in flight, from 0.
     attempt: u32,
@@ -637,20 +642,32 @@ impl Session {
                 .prefill_cluster_for(prepared.model.as_deref())
                 .to_owned(),
         };
+        // Kept for the KV release's model and cluster; a name longer than any model's
+        // (which matched no configured pool) is not kept in the VM.
+        let model = prepared
+            .model
+            .filter(|model| model.len() <= MAX_KEPT_MODEL_LEN);
+        let kept = pending
+            .prefill_headers
+            .iter()
+            .map(|(name, value)| name.len() + value.len())
+            .sum::<usize>()
+            + model.as_ref().map_or(0, String::len)
+            + self.request_id.len();
+        let Some(headers_held) = self.held.reserve(kept) else {
+            return Step::new(Flow::Pause, self.refuse_overloaded());
+        };
         let Some(original) = HeldBody::keep(body, &prepared.decode, &self.held) else {
             return Step::new(Flow::Pause, self.refuse_overloaded());
         };
         let prefill = Prefill {
             api: pending.api,
             original,
-            // Kept for the KV release's model and cluster; a name longer than any model's
-            // (which matched no configured pool) is not kept in the VM.
-            model: prepared
-                .model
-                .filter(|model| model.len() <= MAX_KEPT_MODEL_LEN),
+            model,
             decode: prepared.decode,
             cluster,
             prefill_headers: pending.prefill_headers,
+            headers_held,
             scheduled_hosts: pending.scheduled_hosts,
             attempt: 0,
             started: now,
@@ -729,6 +746,7 @@ impl Session {
                     model: prefill.model,
                     kv_transfer_params: kv.to_vec(),
                     headers: prefill.prefill_headers,
+                    _held: prefill.headers_held,
                 };
                 return self.release(&config, unread).into_iter().collect();
             }
@@ -786,6 +804,7 @@ impl Session {
                         model: prefill.model,
                         kv_transfer_params: kv.to_vec(),
                         headers: prefill.prefill_headers,
+                        _held: prefill.headers_held,
                     };
                     commands.extend(self.release(&config, unread));
                     return commands;
@@ -814,6 +833,7 @@ impl Session {
                     kv_transfer_params: kv.to_vec(),
                     model: prefill.model,
                     headers: prefill.prefill_headers,
+                    _held: prefill.headers_held,
                 });
                 let stream_usage =
                     prefill.decode.stream_usage_asked || config.decode_forces_include_usage;
