@@ -61,40 +61,20 @@ pub struct JsonObject<'a> {
 /// Validates `bytes` as a JSON document whose top level is an object and indexes its members.
 fn scan_object(bytes: &[u8]) -> Result<JsonObject<'_>, JsonError> {
     let mut scanner = Scanner { bytes, pos: 0 };
-    scanner.skip_whitespace();
-    let open_brace = scanner.pos;
-    if scanner.peek() != Some(b'{') {
-        return Err(scanner.error("expected a JSON object"));
-    }
-    scanner.pos += 1;
     let mut members = Vec::new();
-    scanner.skip_whitespace();
-    if scanner.peek() == Some(b'}') {
-        scanner.pos += 1;
-    } else {
-        loop {
-            let key = scanner.key()?;
-            scanner.skip_whitespace();
-            let start = scanner.pos;
-            scanner.value()?;
-            members.push(Member {
-                key,
-                value: start..scanner.pos,
-            });
-            scanner.skip_whitespace();
-            match scanner.peek() {
-                Some(b',') => scanner.pos += 1,
-                Some(b'}') => {
-                    scanner.pos += 1;
-                    break;
-                }
-                _ => return Err(scanner.error("expected ',' or '}'")),
-            }
-        }
-    }
+    let open_brace = scanner.container(b'{', "expected a JSON object", |scanner| {
+        let key = scanner.key()?;
+        scanner.skip_whitespace();
+        let start = scanner.pos;
+        scanner.value()?;
+        members.push(Member {
+            key,
+            value: start..scanner.pos,
+        });
+        Ok(())
+    })?;
     let close_brace = scanner.pos - 1;
-    scanner.skip_whitespace();
-    if scanner.pos != bytes.len() {
+    if !scanner.at_end() {
         return Err(scanner.error("trailing characters after the object"));
     }
     Ok(JsonObject {
@@ -352,34 +332,17 @@ pub fn array_element_ranges(array: &[u8]) -> Option<Vec<Range<usize>>> {
         bytes: array,
         pos: 0,
     };
-    scanner.skip_whitespace();
-    if scanner.peek() != Some(b'[') {
-        return None;
-    }
-    scanner.pos += 1;
     let mut elements = Vec::new();
-    scanner.skip_whitespace();
-    if scanner.peek() == Some(b']') {
-        scanner.pos += 1;
-    } else {
-        loop {
+    scanner
+        .container(b'[', "expected a JSON array", |scanner| {
             scanner.skip_whitespace();
             let start = scanner.pos;
-            scanner.value().ok()?;
+            scanner.value()?;
             elements.push(start..scanner.pos);
-            scanner.skip_whitespace();
-            match scanner.peek() {
-                Some(b',') => scanner.pos += 1,
-                Some(b']') => {
-                    scanner.pos += 1;
-                    break;
-                }
-                _ => return None,
-            }
-        }
-    }
-    scanner.skip_whitespace();
-    (scanner.pos == array.len()).then_some(elements)
+            Ok(())
+        })
+        .ok()?;
+    scanner.at_end().then_some(elements)
 }
 
 /// The bytes of a range the parser produced (always in bounds).
@@ -497,6 +460,50 @@ mod simd {
 impl<'a> Scanner<'a> {
     fn peek(&self) -> Option<u8> {
         self.bytes.get(self.pos).copied()
+    }
+
+    /// The object or array (`open`: `{` or `[`) that starts after any whitespace, each of
+    /// its items read by `item`; where it opens. The position is left past its close.
+    fn container(
+        &mut self,
+        open: u8,
+        not_it: &'static str,
+        mut item: impl FnMut(&mut Self) -> Result<(), JsonError>,
+    ) -> Result<usize, JsonError> {
+        let (close, separator) = if open == b'{' {
+            (b'}', "expected ',' or '}'")
+        } else {
+            (b']', "expected ',' or ']'")
+        };
+        self.skip_whitespace();
+        let opened = self.pos;
+        if self.peek() != Some(open) {
+            return Err(self.error(not_it));
+        }
+        self.pos += 1;
+        self.skip_whitespace();
+        if self.peek() == Some(close) {
+            self.pos += 1;
+            return Ok(opened);
+        }
+        loop {
+            item(self)?;
+            self.skip_whitespace();
+            match self.peek() {
+                Some(b',') => self.pos += 1,
+                Some(byte) if byte == close => {
+                    self.pos += 1;
+                    return Ok(opened);
+                }
+                _ => return Err(self.error(separator)),
+            }
+        }
+    }
+
+    /// Whether only whitespace is left.
+    fn at_end(&mut self) -> bool {
+        self.skip_whitespace();
+        self.pos == self.bytes.len()
     }
 
     fn error(&self, what: &'static str) -> JsonError {
