@@ -83,24 +83,36 @@ fn client_usage(answer: &str) -> Value {
         .expect("a usage event")
 }
 
+/// One answer of `api` for a prompt starting "count" (`words`), streamed or not: its id, the
+/// reply, the usage the client got and a name for the case. Checked on the way: a 200 on
+/// the KV decode reused, prefill's cache hits and decode's 5 output tokens in the usage, and
+/// every other byte decode's (its text and, for streams, an intact stream).
+async fn counted(api: &Api, words: &str, stream: bool) -> (String, Reply, Value, String) {
+    let id = unique_id("usage");
+    let sent = body(api, words, stream);
+    let reply = post(api, &id, &sent).await;
+    let case = format!("{} stream={stream}", api.path);
+    assert_eq!(reply.status, 200, "{case}: {}", reply.body);
+    assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+    let usage = client_usage(&reply.body);
+    assert_eq!(
+        usage[api.details]["cached_tokens"], PREFILL_CACHED,
+        "{case}: {usage}"
+    );
+    assert_eq!(usage[api.output], 5, "{case}: {usage}");
+    let (text, _, ended) = answer_text(&reply.body);
+    assert!(ended, "{case}");
+    assert_eq!(text, expected_decode_text("count", 5), "{case}");
+    (id, reply, usage, case)
+}
+
 #[tokio::test]
 async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
     let h = harness();
     for api in &APIS {
         for stream in [false, true] {
-            let id = unique_id("usage");
-            let sent = body(api, "count my tokens", stream);
-            let reply = post(api, &id, &sent).await;
-            let case = format!("{} stream={stream}", api.path);
-            assert_eq!(reply.status, 200, "{case}: {}", reply.body);
-            assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+            let (id, reply, usage, case) = counted(api, "count my tokens", stream).await;
             assert_eq!(h.only_prefill(&id).json()["stream"], false, "{case}");
-            let usage = client_usage(&reply.body);
-            assert_eq!(
-                usage[api.details]["cached_tokens"], PREFILL_CACHED,
-                "{case}: {usage}"
-            );
-            assert_eq!(usage[api.output], 5, "{case}: {usage}");
             let prompt = usage[api.prompt].as_u64().unwrap();
             assert_eq!(usage["total_tokens"], prompt + 5, "{case}: {usage}");
             if !stream {
@@ -114,10 +126,6 @@ async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
                 );
                 assert_eq!(reply.header("transfer-encoding"), None, "{case}");
             }
-            // Every other byte is decode's: the text and, for streams, an intact stream.
-            let (text, _, ended) = answer_text(&reply.body);
-            assert!(ended, "{case}");
-            assert_eq!(text, expected_decode_text("count", 5), "{case}");
         }
     }
 }
@@ -129,26 +137,13 @@ async fn usage_counted_right_by_vllm_itself_reaches_the_client_as_decode_wrote_i
     let h = harness();
     for api in &APIS {
         for stream in [false, true] {
-            let id = unique_id("usage-handed");
-            let sent = body(api, "count mock:prefill_hands_cached_tokens", stream);
-            let reply = post(api, &id, &sent).await;
-            let case = format!("{} stream={stream}", api.path);
-            assert_eq!(reply.status, 200, "{case}: {}", reply.body);
-            assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+            let words = "count mock:prefill_hands_cached_tokens";
+            let (id, _, _, case) = counted(api, words, stream).await;
             let handed = &h.only_decode(&id).json()["kv_transfer_params"];
             assert_eq!(
                 handed["remote_prefill_cached_tokens"], PREFILL_CACHED,
                 "{case}"
             );
-            let usage = client_usage(&reply.body);
-            assert_eq!(
-                usage[api.details]["cached_tokens"], PREFILL_CACHED,
-                "{case}: {usage}"
-            );
-            assert_eq!(usage[api.output], 5, "{case}: {usage}");
-            let (text, _, ended) = answer_text(&reply.body);
-            assert!(ended, "{case}");
-            assert_eq!(text, expected_decode_text("count", 5), "{case}");
         }
     }
 }
