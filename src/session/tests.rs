@@ -46,6 +46,12 @@ fn send(session: &mut Session, headers: &[(String, Vec<u8>)], body: &str) -> Ste
     session.on_request_complete(body.as_bytes().to_vec(), at(0))
 }
 
+fn removes_a_response_header(commands: &[Command]) -> bool {
+    commands
+        .iter()
+        .any(|c| matches!(c, Command::RemoveResponseHeader(_)))
+}
+
 fn has_reply(commands: &[Command]) -> bool {
     commands.iter().any(|c| matches!(c, Command::SendReply(_)))
 }
@@ -1068,10 +1074,7 @@ fn decodes_usage_is_left_alone_where_vllm_counts_prefills_hits_itself() {
         });
         assert_eq!(step.flow, Flow::Continue, "{content_type}");
         assert!(
-            !step
-                .commands
-                .iter()
-                .any(|command| matches!(command, Command::RemoveResponseHeader(_))),
+            !removes_a_response_header(&step.commands),
             "{content_type}: {:?}",
             step.commands
         );
@@ -1111,10 +1114,7 @@ fn with_headers_held_a_merged_json_answer_keeps_a_content_length_of_its_own() {
     let (mut s, step) = merging_answer_of(HOLDS_HEADERS, &answer.len().to_string());
     assert_eq!(step.flow, Flow::Pause, "the headers wait for the body");
     assert!(
-        !step
-            .commands
-            .iter()
-            .any(|c| matches!(c, Command::RemoveResponseHeader(_))),
+        !removes_a_response_header(&step.commands),
         "{:?}",
         step.commands
     );
@@ -1157,10 +1157,7 @@ fn headers_wait_only_for_a_json_body_worth_holding() {
     // Larger than the limit: decode's answer goes on as it is, headers and all.
     let (mut s, step) = merging_answer_of(HOLDS_HEADERS, "5000");
     assert_eq!(step.flow, Flow::Continue);
-    assert!(!step
-        .commands
-        .iter()
-        .any(|c| matches!(c, Command::RemoveResponseHeader(_))));
+    assert!(!removes_a_response_header(&step.commands));
     assert_eq!(
         s.on_response_body(4000, false),
         BodyStep::Step(Step::new(Flow::Continue, vec![]))
@@ -1289,11 +1286,9 @@ fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
         content_length: None,
         ..head
     };
-    assert!(!chunked
-        .on_response_headers(&without_length)
-        .commands
-        .iter()
-        .any(|c| matches!(c, Command::RemoveResponseHeader(_))));
+    assert!(!removes_a_response_header(
+        &chunked.on_response_headers(&without_length).commands
+    ));
     assert!(s
         .on_response_headers(&head)
         .commands
