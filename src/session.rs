@@ -782,24 +782,23 @@ impl Session {
                 };
                 // Prompt logprobs wait in the VM until they go into decode's answer.
                 let mut held_logprobs = None;
-                let mut overloaded = false;
-                if let (None, Some(logprobs)) = (&refusal, prompt_logprobs) {
-                    match self.held.reserve(logprobs.len()) {
+                let refused = match (refusal, prompt_logprobs) {
+                    (Some(refusal), _) => Some(self.reject(&refusal)),
+                    (None, Some(logprobs)) => match self.held.reserve(logprobs.len()) {
                         Some(reservation) => {
                             held_logprobs = Some(HeldLogprobs {
                                 api: prefill.api,
                                 logprobs,
                                 _reservation: reservation,
                             });
+                            None
                         }
-                        None => overloaded = true,
-                    }
-                }
-                if refusal.is_some() || overloaded {
-                    commands.extend(match &refusal {
-                        Some(refusal) => self.reject(refusal),
-                        None => self.refuse_overloaded(),
-                    });
+                        None => Some(self.refuse_overloaded()),
+                    },
+                    (None, None) => None,
+                };
+                if let Some(refused) = refused {
+                    commands.extend(refused);
                     let unread = UnreadKv {
                         model: prefill.model,
                         kv_transfer_params: kv.to_vec(),
