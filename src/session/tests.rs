@@ -1750,3 +1750,28 @@ fn answer_with(logprobs: &str) -> String {
         r#"{{"id":"p","choices":[{{"text":"a","prompt_logprobs":{logprobs}}}],"kv_transfer_params":{KV}}}"#
     )
 }
+
+#[test]
+fn what_a_request_keeps_for_its_release_counts_and_a_huge_model_is_not_kept() {
+    // A client's forwarded headers (and request id) are kept until its KV is known to be
+    // read: past the VM's budget, the request is refused before prefill.
+    let config = r#"{"max_request_body_bytes":400,"max_vm_held_bytes":600}"#;
+    let config = Rc::new(Config::from_json(config.as_bytes()).unwrap());
+    let held = HeldBytes::new(config.max_vm_held_bytes);
+    let token = "t".repeat(700);
+    let big = headers("POST", "/v1/completions", &[("authorization", &token)]);
+    let mut s = Session::new(Some(config.clone()), held.clone());
+    s.on_request_headers(&big, false);
+    assert_eq!(s.on_request_body(14, true), BodyStep::ReadBody);
+    let step = s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
+    assert_eq!(reply(&step.commands).0, 503);
+    assert_eq!(held.held(), 0);
+
+    // A model name longer than any model's is not kept: the release names none.
+    let model = "m".repeat(2000);
+    let body = format!(r#"{{"model":"{model}","prompt":"x","max_tokens":5}}"#);
+    let mut s = prefilling_body("", &body);
+    s.on_client_gone();
+    let release = released(&s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(9)));
+    assert!(release.get("model").is_none(), "{release}");
+}
