@@ -77,6 +77,14 @@ async fn wait_for_a_release(id: &str, within: Duration) {
     }
 }
 
+/// Waits until prefill got a request for `id`, or the time is up.
+async fn wait_for_prefill(id: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    while harness().prefill_requests(id).is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// `id` had one prefill and one release, and prefill holds nothing stranded.
 async fn assert_released_once(id: &str) {
     assert_eq!(harness().prefill_requests(id).len(), 1);
@@ -202,13 +210,9 @@ async fn decode_that_was_never_reached_strands_no_kv() {
     assert_eq!(reply.status, 503, "{}", reply.body);
     // Envoy's router connects to decode as soon as the headers pass, so the client may get
     // its 503 while prefill is still working; prefill's KV is released when it answers.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while (h.prefill_requests(&id).is_empty() || releases(&id).is_empty())
-        && Instant::now() < deadline
-    {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_prefill(&id, Duration::from_secs(5)).await;
     assert_eq!(h.prefill_requests(&id).len(), 1);
+    wait_for_a_release(&id, Duration::from_secs(5)).await;
     assert_eq!(releases(&id).len(), 1);
     assert_eq!(
         wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
@@ -269,8 +273,12 @@ async fn a_release_decode_could_not_take_is_sent_again_once_decode_is_back() {
         .send()
         .await;
     assert_eq!(reply.status, 503, "{}", reply.body);
+    // The client may get Envoy's 503 (decode refused the connection) before prefill has the
+    // request: the router connects to decode as soon as the headers pass.
+    wait_for_prefill(&id, Duration::from_secs(5)).await;
     assert_eq!(h.prefill_requests(&id).len(), 1);
-    // The first release found no decode. Decode comes back before the next attempt (1 s).
+    // The first release, right after prefill's answer, finds no decode. Decode comes back
+    // before the next attempt (1 s).
     tokio::time::sleep(Duration::from_millis(300)).await;
     let address = format!("127.0.0.1:{}", h.late_decode_port);
     let late = mock_vllm::MockServer::start(mock_vllm::Role::Decode, &address)
