@@ -37,6 +37,7 @@ use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
 use crate::session::{
     BodyStep, Command, Flow, HostFailure, HttpCall, Metric, ResponseHead, Session, Step,
+    FILTER_RAN_FILTER_STATE,
 };
 use crate::stats::Stats;
 
@@ -692,6 +693,9 @@ impl Context for PdRequest {
 
 impl HttpContext for PdRequest {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if let Err(status) = host::set_property(FILTER_RAN_FILTER_STATE, b"yes") {
+            log::warn!("could not mark the request as seen by pd-filter: status {status}");
+        }
         // One host call for all headers rather than one per header.
         let headers = host::header_map(MapType::HttpRequestHeaders).unwrap_or_default();
         let step = self

@@ -46,6 +46,13 @@ const REST_OF_ANSWER: usize = 64 * 1024;
 /// `%FILTER_STATE(wasm.pd_prefill_ms:PLAIN)%`.
 pub const PREFILL_TIME_FILTER_STATE: &str = "pd_prefill_ms";
 
+/// Set on every request the filter sees, as `wasm.pd_filter_ran` = `yes`. Envoy leaves a
+/// wasm filter out, whatever its failure policy, on a worker where the plugin has no handle
+/// (a VM not set up there yet, or one that failed to start); the shipped configurations
+/// refuse, in an RBAC filter after this one, any request that lacks the mark, so that none
+/// reaches decode without its prefill.
+pub const FILTER_RAN_FILTER_STATE: &str = "pd_filter_ran";
+
 mod outcome;
 pub use outcome::{Outcome, PrefillResult};
 

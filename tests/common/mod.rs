@@ -790,6 +790,22 @@ fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
                   vm_id: pd-filter-{name}
                   runtime: envoy.wasm.runtime.v8
                   code: {{ local: {{ filename: "{wasm}" }} }}
+          # As in the shipped configurations: no request reaches a route unless the filter saw
+          # it (envoy/envoy.yaml, pd-filter-guard).
+          - name: pd-filter-guard
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC
+              rules_stat_prefix: pd_filter_guard
+              rules:
+                action: DENY
+                policies:
+                  pd-filter-did-not-run:
+                    permissions: [{{ any: true }}]
+                    principals:
+                      - not_id:
+                          filter_state:
+                            key: wasm.pd_filter_ran
+                            string_match: {{ exact: "yes" }}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -920,16 +936,24 @@ pub fn answer_text(body: &str) -> (String, usize, bool) {
     (text, events, ended)
 }
 
-/// Asserts no pd-filter VM was reloaded (a reload means one crashed) and the Envoy log is
-/// clean.
+/// Asserts no pd-filter VM was reloaded (a reload means one crashed), no request got past
+/// Envoy without the filter seeing it, and the Envoy log is clean.
 pub fn assert_filter_healthy() {
-    let reloads: Vec<(String, u64)> = envoy_stats("wasm.pd-filter.vm_reload")
-        .into_iter()
-        .filter(|(_, value)| *value != 0)
-        .collect();
+    let nonzero = |part: &str| -> Vec<(String, u64)> {
+        envoy_stats(part)
+            .into_iter()
+            .filter(|(_, value)| *value != 0)
+            .collect()
+    };
+    let reloads = nonzero("wasm.pd-filter.vm_reload");
     assert!(
         reloads.is_empty(),
         "pd-filter VMs were reloaded: {reloads:?}"
+    );
+    let unseen = nonzero("rbac.pd_filter_guard.denied");
+    assert!(
+        unseen.is_empty(),
+        "requests Envoy ran without pd-filter: {unseen:?}"
     );
     assert_envoy_log_clean();
 }
