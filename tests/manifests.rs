@@ -989,6 +989,56 @@ fn wasm_filters(hcm: &Value) -> Vec<(&Value, Value)> {
         .collect()
 }
 
+/// The RBAC filter that refuses every request the wasm filter did not mark as seen
+/// (envoy/envoy.yaml, pd-filter-guard), as the shipped configurations write it.
+fn pd_filter_guard() -> Value {
+    json!({
+        "name": "pd-filter-guard",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.rbac.v3.RBAC",
+            "rules_stat_prefix": "pd_filter_guard",
+            "rules": {
+                "action": "DENY",
+                "policies": {
+                    "pd-filter-did-not-run": {
+                        "permissions": [{"any": true}],
+                        "principals": [{"not_id": {"filter_state": {
+                            "key": "wasm.pd_filter_ran",
+                            "string_match": {"exact": "yes"}
+                        }}}]
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// What is wrong with where a connection manager refuses requests Envoy ran without the
+/// wasm filter: the guard must come after every wasm filter and before the router.
+fn guard_problem(hcm: &Value) -> Option<String> {
+    let filters = hcm["http_filters"].as_array().cloned().unwrap_or_default();
+    let position = |wanted: &dyn Fn(&Value) -> bool| filters.iter().rposition(wanted);
+    let guard = pd_filter_guard();
+    let Some(guard_at) = position(&|f| *f == guard) else {
+        return Some("no pd-filter-guard (as envoy/envoy.yaml's) among the HTTP filters".into());
+    };
+    let wasm_at = position(&|f| f["name"] == "envoy.filters.http.wasm");
+    let router_at = position(&|f| f["name"] == "envoy.filters.http.router");
+    if wasm_at.is_none_or(|wasm| wasm > guard_at) || router_at.is_none_or(|r| r < guard_at) {
+        return Some("pd-filter-guard is not between the wasm filter and the router".into());
+    }
+    let mappers = hcm["local_reply_config"]["mappers"].as_array();
+    let answers_503 = mappers.into_iter().flatten().any(|mapper| {
+        mapper["status_code"] == 503
+            && mapper["filter"]["extension_filter"]["typed_config"]["expression"]
+                .as_str()
+                .is_some_and(|e| {
+                    e.contains("rbac_access_denied_matched_policy[pd-filter-did-not-run]")
+                })
+    });
+    (!answers_503).then(|| "pd-filter-guard's refusals are not answered 503".into())
+}
+
 /// Whether a `prefill_hosts_allowed` entry (a CIDR or `ip:port`) lets the callout reach
 /// `address`.
 fn allows(entry: &str, address: std::net::IpAddr) -> bool {
@@ -1140,6 +1190,10 @@ fn hardening_errors(config: &Value) -> Vec<String> {
         let envoys = &local_reply["body_format"]["json_format"]["error"];
         if envoys["message"].is_null() || envoys["code"] != "%RESPONSE_CODE%" {
             error("local_reply_config does not answer an OpenAI error object".to_owned());
+        }
+
+        if let Some(problem) = guard_problem(hcm) {
+            error(problem);
         }
 
         let filters = wasm_filters(hcm);
@@ -1593,6 +1647,26 @@ fn weakened_envoy_configs_are_caught() {
                     .remove("typed_extension_protocol_options");
             },
         ),
+        ("no guard after the filter", "no pd-filter-guard", |c| {
+            let filters = first_hcm(c)["http_filters"].as_array_mut().unwrap();
+            filters.retain(|f| f["name"] != "pd-filter-guard");
+        }),
+        ("the guard before the filter", "not between", |c| {
+            let filters = first_hcm(c)["http_filters"].as_array_mut().unwrap();
+            let guard = filters.remove(1);
+            filters.insert(0, guard);
+        }),
+        ("the guard reading another key", "no pd-filter-guard", |c| {
+            first_hcm(c)["http_filters"][1]["typed_config"]["rules"]["policies"]
+                ["pd-filter-did-not-run"]["principals"][0]["not_id"]["filter_state"]["key"] =
+                json!("wasm.other");
+        }),
+        ("the guard's refusals as 403", "not answered 503", |c| {
+            let mappers = first_hcm(c)["local_reply_config"]["mappers"]
+                .as_array_mut()
+                .unwrap();
+            mappers.retain(|m| m["status_code"] != 503);
+        }),
         ("an allow-list with loopback", "allows loopback", |c| {
             let wasm = &mut first_hcm(c)["http_filters"][0]["typed_config"]["config"];
             wasm["configuration"]["value"] = json!(
@@ -1714,12 +1788,52 @@ fn istio_manifests_require_path_normalization_and_refuse_scheduler_headers() {
     }
 }
 
+/// The EnvoyFilter of deploy/istio named `name`.
+fn envoy_filter(name: &str) -> Value {
+    let patches = objects_of_kind("EnvoyFilter");
+    assert_eq!(patches.len(), 2, "deploy/istio: two EnvoyFilters");
+    patches
+        .into_iter()
+        .find(|patch| patch["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("deploy/istio: no EnvoyFilter {name}"))
+}
+
+/// deploy/istio/guard.yaml puts envoy/envoy.yaml's guard on the plugin's gateway, before the
+/// router and so after the WasmPlugin, which Istio places before its stats filter.
+#[test]
+fn istio_guard_refuses_what_the_plugin_did_not_see() {
+    let plugin = wasm_plugin();
+    let patch = envoy_filter("pd-filter-guard");
+    assert_eq!(patch["apiVersion"], "networking.istio.io/v1alpha3");
+    assert_eq!(
+        patch["metadata"]["namespace"],
+        plugin["metadata"]["namespace"]
+    );
+    assert_eq!(
+        patch["spec"]["workloadSelector"]["labels"],
+        plugin["spec"]["selector"]["matchLabels"]
+    );
+    let config_patches = patch["spec"]["configPatches"].as_array().expect("patches");
+    assert_eq!(config_patches.len(), 1, "{config_patches:#?}");
+    let config_patch = &config_patches[0];
+    assert_eq!(config_patch["applyTo"], "HTTP_FILTER");
+    assert_eq!(config_patch["match"]["context"], "GATEWAY");
+    let filter = &config_patch["match"]["listener"]["filterChain"]["filter"];
+    assert_eq!(
+        filter["name"],
+        "envoy.filters.network.http_connection_manager"
+    );
+    assert_eq!(filter["subFilter"]["name"], "envoy.filters.http.router");
+    assert_eq!(config_patch["patch"]["operation"], "INSERT_BEFORE");
+    assert_eq!(config_patch["patch"]["value"], pd_filter_guard());
+    // The plugin runs in a phase before the router.
+    assert_eq!(plugin["spec"]["phase"], "STATS");
+}
+
 #[test]
 fn istio_local_replies_patch_the_gateway_with_envoy_yamls_block() {
     let plugin = wasm_plugin();
-    let patches = objects_of_kind("EnvoyFilter");
-    assert_eq!(patches.len(), 1, "deploy/istio: one EnvoyFilter");
-    let patch = &patches[0];
+    let patch = &envoy_filter("pd-filter-local-replies");
     assert_eq!(patch["apiVersion"], "networking.istio.io/v1alpha3");
     assert_eq!(
         patch["metadata"]["namespace"], plugin["metadata"]["namespace"],
@@ -1986,6 +2100,19 @@ fn envoy_yaml_before_mocks(
     mock_vllm::MockServer,
     RunningEnvoy,
 ) {
+    edited_envoy_yaml_before_mocks(label, |text| text)
+}
+
+/// As `envoy_yaml_before_mocks`, with `edit` made to the configuration.
+fn edited_envoy_yaml_before_mocks(
+    label: &str,
+    edit: impl Fn(String) -> String,
+) -> (
+    tokio::runtime::Runtime,
+    mock_vllm::MockServer,
+    mock_vllm::MockServer,
+    RunningEnvoy,
+) {
     let runtime = mock_runtime();
     let prefill = start_mock(&runtime, mock_vllm::Role::Prefill);
     let decode = start_mock(&runtime, mock_vllm::Role::Decode);
@@ -1995,13 +2122,44 @@ fn envoy_yaml_before_mocks(
             "port_value: 8100 }",
             &format!("port_value: {} }}", prefill.port()),
         );
-        substitute(
+        edit(substitute(
             &text,
             "port_value: 8200 }",
             &format!("port_value: {} }}", decode.port()),
-        )
+        ))
     });
     (runtime, prefill, decode, envoy)
+}
+
+/// envoy/envoy.yaml as shipped refuses a request Envoy runs without the wasm filter (as it
+/// does on a worker where the plugin has no VM): a 503 the client may retry, and neither
+/// prefill nor decode sees it. The filter is taken out of the configuration to stand for it.
+#[test]
+fn envoy_yaml_refuses_requests_the_filter_did_not_see_in_envoy() {
+    let (_runtime, prefill, decode, envoy) =
+        edited_envoy_yaml_before_mocks("run-envoy-yaml-unseen", |text| {
+            let start = text
+                .find("                  - name: envoy.filters.http.wasm")
+                .expect("the wasm filter");
+            let end = text
+                .find("                  # Envoy leaves the wasm filter out")
+                .expect("the guard's comment");
+            format!("{}{}", &text[..start], &text[end..])
+        });
+    for (target, body) in [("/v1/completions", COMPLETION_BODY), ("/v1/models", "")] {
+        let reply = raw_post(envoy.port, target, &[], body);
+        let error = openai_error(&reply, 503).unwrap_or_else(|e| panic!("{target}: {e}"));
+        assert_eq!(error["type"], "ServiceUnavailableError", "{target}");
+        assert_eq!(reply.header("retry-after"), Some("1"), "{target}");
+    }
+    assert!(prefill.requests().is_empty(), "{:?}", prefill.requests());
+    assert!(decode.requests().is_empty(), "{:?}", decode.requests());
+    let denied = common::http_get(envoy.admin_port, "/stats?filter=pd_filter_guard.denied")
+        .unwrap_or_default();
+    assert!(
+        denied.contains("rbac.pd_filter_guard.denied: 2"),
+        "{denied}"
+    );
 }
 
 const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
