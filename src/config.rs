@@ -71,6 +71,7 @@ struct RawConfig {
     model_decode_clusters: BTreeMap<String, String>,
     max_kv_releases_in_flight: u32,
     kv_release_timeout_ms: u64,
+    max_abandoned_prefills_per_client: u32,
 }
 
 impl Default for RawConfig {
@@ -114,6 +115,7 @@ impl Default for RawConfig {
             model_decode_clusters: BTreeMap::new(),
             max_kv_releases_in_flight: 64,
             kv_release_timeout_ms: 30_000,
+            max_abandoned_prefills_per_client: 32,
         }
     }
 }
@@ -208,6 +210,9 @@ pub struct Config {
     pub model_decode_clusters: BTreeMap<String, String>,
     pub max_kv_releases_in_flight: u32,
     pub kv_release_timeout: Duration,
+    /// Prefill calls still running after their client left, per client address and Envoy
+    /// worker, past which the client's new requests are refused (429); 0: no limit.
+    pub max_abandoned_prefills_per_client: u32,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -386,6 +391,7 @@ impl Config {
             model_decode_clusters: raw.model_decode_clusters,
             max_kv_releases_in_flight: raw.max_kv_releases_in_flight,
             kv_release_timeout: Duration::from_millis(raw.kv_release_timeout_ms),
+            max_abandoned_prefills_per_client: raw.max_abandoned_prefills_per_client,
         })
     }
 
@@ -461,6 +467,10 @@ const SHAPES: &[(&str, Shape)] = &[
     ("model_decode_clusters", Shape::TextMap),
     ("max_kv_releases_in_flight", Shape::Count(u32::MAX as u64)),
     ("kv_release_timeout_ms", Shape::Count(u64::MAX)),
+    (
+        "max_abandoned_prefills_per_client",
+        Shape::Count(u32::MAX as u64),
+    ),
 ];
 
 /// Says, naming the key, what is wrong with a value of the wrong kind, in words a user reads

@@ -28,6 +28,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 
+use crate::abandoned::AbandonedPrefills;
 use crate::callouts::{Caller, Callouts, Job, Retry};
 use crate::config::Config;
 use crate::headers::HeaderLookup;
@@ -47,6 +48,7 @@ proxy_wasm::main! {{
         Box::new(PdRoot {
             config: None,
             held: HeldBytes::new(0),
+            abandoned: AbandonedPrefills::default(),
             worker: Rc::new(Worker::new(root_id)),
         })
     });
@@ -56,6 +58,8 @@ struct PdRoot {
     config: Option<Rc<Config>>,
     /// What this VM's requests hold in it, against `max_vm_held_bytes`.
     held: HeldBytes,
+    /// This VM's prefill calls still running after their clients left, by client.
+    abandoned: AbandonedPrefills,
     worker: Rc<Worker>,
 }
 
@@ -604,6 +608,7 @@ impl RootContext for PdRoot {
                     .borrow_mut()
                     .set_release_bound(config.max_kv_releases_in_flight);
                 self.held = HeldBytes::new(config.max_vm_held_bytes);
+                self.abandoned = AbandonedPrefills::new(config.max_abandoned_prefills_per_client);
                 self.config = Some(Rc::new(config));
                 true
             }
@@ -632,7 +637,10 @@ impl RootContext for PdRoot {
         Some(Box::new(PdRequest {
             request: Rc::new(Request {
                 context_id,
-                session: RefCell::new(Session::new(self.config.clone(), self.held.clone())),
+                session: RefCell::new(
+                    Session::new(self.config.clone(), self.held.clone())
+                        .with_abandoned_prefills(self.abandoned.clone()),
+                ),
                 alive: Cell::new(true),
             }),
             worker: self.worker.clone(),
@@ -698,11 +706,18 @@ impl HttpContext for PdRequest {
         }
         // One host call for all headers rather than one per header.
         let headers = host::header_map(MapType::HttpRequestHeaders).unwrap_or_default();
-        let step = self
-            .request
-            .session
-            .borrow_mut()
-            .on_request_headers(&headers, end_of_stream);
+        let step = {
+            let mut session = self.request.session.borrow_mut();
+            let step = session.on_request_headers(&headers, end_of_stream);
+            if session.wants_client_address() {
+                let address = host::property(&["source", "address"]).ok();
+                session
+                    .on_client_address(address.as_deref())
+                    .unwrap_or(step)
+            } else {
+                step
+            }
+        };
         self.run(step)
     }
 

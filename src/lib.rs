@@ -21,6 +21,7 @@
     )
 )]
 
+pub mod abandoned;
 pub mod api;
 pub mod callouts;
 pub mod config;

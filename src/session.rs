@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
+use crate::abandoned::{client_key, AbandonedMark, AbandonedPrefills};
 use crate::api::Api;
 use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy, UsagePolicy};
 use crate::headers::HeaderLookup;
@@ -192,6 +193,13 @@ pub struct Session {
     state: State,
     /// The API of an orchestrated request, for its outcome in the stats.
     api: Option<Api>,
+    /// This VM's running prefill calls whose clients left, by client.
+    abandoned: AbandonedPrefills,
+    /// The client's address, when running prefills are counted by client.
+    client: Option<String>,
+    /// This request's place in `abandoned` once its client has left during prefill: given
+    /// back when the session goes, after prefill's answer.
+    _abandoned_mark: Option<AbandonedMark>,
 }
 
 enum State {
@@ -414,6 +422,9 @@ impl Session {
             request_id: String::new(),
             state: State::Started,
             api: None,
+            abandoned: AbandonedPrefills::default(),
+            client: None,
+            _abandoned_mark: None,
         }
     }
 
@@ -1318,6 +1329,15 @@ impl Session {
     /// The client went away, or the stream ended: prefill work still under way is released
     /// when it answers. A request already with decode needs nothing: decode has its KV.
     pub fn on_client_gone(&mut self) {
+        if matches!(
+            self.state,
+            State::Dispatching(_) | State::AwaitingPrefill { .. }
+        ) {
+            self._abandoned_mark = self
+                .client
+                .as_deref()
+                .map(|client| self.abandoned.mark(client));
+        }
         self.state = match std::mem::replace(&mut self.state, State::Finished) {
             State::Dispatching(prefill) => State::Abandoned {
                 prefill,
@@ -1330,6 +1350,43 @@ impl Session {
             abandoned @ State::Abandoned { .. } => abandoned,
             _ => State::Finished,
         };
+    }
+
+    /// Counts this request's prefill, should its client leave while it runs, among `abandoned`
+    /// (one per VM), and refuses clients with too many there.
+    pub fn with_abandoned_prefills(mut self, abandoned: AbandonedPrefills) -> Session {
+        self.abandoned = abandoned;
+        self
+    }
+
+    /// Whether the client's address is wanted: [`Session::on_client_address`] next.
+    pub fn wants_client_address(&self) -> bool {
+        self.abandoned.is_limited() && matches!(self.state, State::Buffering(_))
+    }
+
+    /// The client's address (Envoy's `source.address`) for an orchestrated request: a
+    /// refusal when the client has as many prefills running after it left as it may.
+    pub fn on_client_address(&mut self, source_address: Option<&[u8]>) -> Option<Step> {
+        let client = source_address.and_then(client_key)?;
+        if self.abandoned.admits(&client) {
+            self.client = Some(client);
+            return None;
+        }
+        log::info!(
+            "[{}] refused with 429: client {client} left {} requests whose prefill is still \
+             running (max_abandoned_prefills_per_client)",
+            self.request_id,
+            self.abandoned.running_for(&client)
+        );
+        let error = ClientError::new(
+            429,
+            format!(
+                "too many requests from this client were abandoned while their prefill was \
+                 running ({} still running); retry once they have finished",
+                self.abandoned.limit()
+            ),
+        );
+        Some(Step::new(Flow::Pause, self.reject(&error)))
     }
 
     /// Whether the request went on to decode and decode has not answered: when the client

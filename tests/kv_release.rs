@@ -401,3 +401,53 @@ async fn a_client_that_leaves_before_decode_read_its_request_strands_no_kv() {
     }
     assert_eq!(h.counter(KV_RELEASED), released_before + 10);
 }
+
+#[tokio::test]
+async fn a_client_that_leaves_many_prefills_running_is_refused_until_they_end() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    releases_from_a_clean_ledger().await;
+    // Twelve requests left during a slow prefill: two per worker may run on for one client
+    // (every test client is 127.0.0.1), so each worker has more than its share.
+    let left = clients_that_leave(12, "abandon_limit", "left mock:prefill_delay_ms=2500").await;
+    let probe = |label: &'static str| async move {
+        let id = unique_id(label);
+        let reply = post("abandon_limit", &id, "a new request").send().await;
+        (id, reply)
+    };
+    let mut refused = 0;
+    for _ in 0..10 {
+        let (id, reply) = probe("while-running").await;
+        match reply.status {
+            429 => {
+                refused += 1;
+                let body: Value = serde_json::from_str(&reply.body).expect("JSON");
+                assert_eq!(body["error"]["type"], "RateLimitError", "{body}");
+                assert!(
+                    h.prefill_requests(&id).is_empty(),
+                    "{id}: refused before prefill"
+                );
+            }
+            200 => {}
+            other => panic!("{other}: {}", reply.body),
+        }
+    }
+    assert!(
+        refused > 0,
+        "no request refused while 12 abandoned prefills ran"
+    );
+    // Once prefill has answered them (and their KV is released), the client is served.
+    for id in &left {
+        wait_for_a_release(id, Duration::from_secs(8)).await;
+        assert_eq!(releases(id).len(), 1, "{id}");
+    }
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+    for _ in 0..6 {
+        let (_, reply) = probe("after").await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    assert_filter_healthy();
+}

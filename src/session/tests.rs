@@ -1775,3 +1775,66 @@ fn what_a_request_keeps_for_its_release_counts_and_a_huge_model_is_not_kept() {
     let release = released(&s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(9)));
     assert!(release.get("model").is_none(), "{release}");
 }
+
+/// A request from `address` counted among `abandoned`, through its headers: the session and
+/// the refusal, if any.
+fn from_client(abandoned: &AbandonedPrefills, address: &str) -> (Session, Option<Step>) {
+    let mut s = session("").with_abandoned_prefills(abandoned.clone());
+    s.on_request_headers(&post("/v1/completions"), false);
+    assert!(s.wants_client_address());
+    let refusal = s.on_client_address(Some(address.as_bytes()));
+    (s, refusal)
+}
+
+#[test]
+fn a_client_that_left_too_many_prefills_running_is_refused_until_they_end() {
+    let abandoned = AbandonedPrefills::new(2);
+    let mut left = Vec::new();
+    for token in 1..=2 {
+        let (mut s, refusal) = from_client(&abandoned, "10.0.0.1:4000");
+        assert!(refusal.is_none());
+        assert_eq!(s.on_request_body(20, true), BodyStep::ReadBody);
+        s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
+        s.on_prefill_dispatched(Some(token), at(0));
+        s.on_client_gone();
+        left.push(s);
+    }
+    // A client that stays, or leaves before its prefill starts, is not counted.
+    let (mut stays, _) = from_client(&abandoned, "10.0.0.1:4001");
+    stays.on_request_body(14, true);
+    stays.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
+    stays.on_prefill_dispatched(Some(9), at(0));
+    let (mut uploading, _) = from_client(&abandoned, "10.0.0.1:4002");
+    uploading.on_client_gone();
+    drop(uploading);
+
+    let (_, refusal) = from_client(&abandoned, "10.0.0.1:4003");
+    let refusal = refusal.expect("refused at the limit");
+    assert_eq!(refusal.flow, Flow::Pause);
+    let (status, body) = reply(&refusal.commands);
+    assert_eq!(status, 429);
+    assert_eq!(body["error"]["type"], "RateLimitError");
+    assert!(refusal.commands.contains(&Command::Record(Metric::Request(
+        Api::Completions,
+        Outcome::ClientError
+    ))));
+    // Another client is not affected, nor a request with no address.
+    assert!(from_client(&abandoned, "10.0.0.2:4000").1.is_none());
+    let mut unknown = session("").with_abandoned_prefills(abandoned.clone());
+    unknown.on_request_headers(&post("/v1/completions"), false);
+    assert!(unknown.on_client_address(None).is_none());
+
+    // Prefill answers one of them, and the request goes with it: room for one more.
+    let mut first = left.remove(0);
+    released(&first.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5)));
+    drop(first);
+    assert!(from_client(&abandoned, "10.0.0.1:4004").1.is_none());
+    drop(left);
+    assert_eq!(abandoned.running_for("10.0.0.1"), 0);
+
+    // Not limited: the address is not even asked for.
+    let mut s = session(r#"{"max_abandoned_prefills_per_client":0}"#)
+        .with_abandoned_prefills(AbandonedPrefills::new(0));
+    s.on_request_headers(&post("/v1/completions"), false);
+    assert!(!s.wants_client_address());
+}

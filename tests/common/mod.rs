@@ -131,6 +131,12 @@ pub const LISTENERS: &[Listener] = &[
     plain("usage_decode", r#"{"usage":"decode"}"#),
     // One KV release in flight per worker: the others wait (tests/kv_release.rs).
     plain("one_release", r#"{"max_kv_releases_in_flight":1}"#),
+    // Two prefills per client and worker may run on after their clients left
+    // (tests/kv_release.rs).
+    plain(
+        "abandon_limit",
+        r#"{"max_abandoned_prefills_per_client":2}"#,
+    ),
     // Room in each VM for about two requests' prompt logprobs (tests/security.rs).
     plain(
         "small_vm_budget",

@@ -1,0 +1,143 @@
+//! Prefill calls whose clients have left, counted per client. The filter lets a prefill call
+//! run on after its client leaves, so that the KV it makes can be released; such calls hold
+//! a place in the prefill cluster's pool until prefill answers, and a client that sends
+//! requests and resets them at once would otherwise fill that pool for everyone without
+//! holding a connection itself. A client with too many of them still running gets its next
+//! requests refused until some have finished.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// One VM's (one Envoy worker's) count of running prefill calls whose clients left, by
+/// client address.
+#[derive(Clone, Debug, Default)]
+pub struct AbandonedPrefills {
+    running: Rc<RefCell<HashMap<String, u32>>>,
+    /// At most this many per client; 0: no limit, and nothing counted.
+    limit: u32,
+}
+
+impl AbandonedPrefills {
+    pub fn new(limit: u32) -> AbandonedPrefills {
+        AbandonedPrefills {
+            running: Rc::default(),
+            limit,
+        }
+    }
+
+    /// Whether client addresses are wanted at all.
+    pub fn is_limited(&self) -> bool {
+        self.limit > 0
+    }
+
+    /// Whether `client` may have a prefill started for it.
+    pub fn admits(&self, client: &str) -> bool {
+        !self.is_limited() || self.running_for(client) < self.limit
+    }
+
+    pub fn running_for(&self, client: &str) -> u32 {
+        self.running.borrow().get(client).copied().unwrap_or(0)
+    }
+
+    pub fn limit(&self) -> u32 {
+        self.limit
+    }
+
+    /// Counts one more running prefill whose client left, until the mark is dropped.
+    pub fn mark(&self, client: &str) -> AbandonedMark {
+        *self
+            .running
+            .borrow_mut()
+            .entry(client.to_owned())
+            .or_insert(0) += 1;
+        AbandonedMark {
+            running: Rc::clone(&self.running),
+            client: client.to_owned(),
+        }
+    }
+}
+
+/// One running prefill call whose client left, counted for as long as this lives.
+#[derive(Debug)]
+pub struct AbandonedMark {
+    running: Rc<RefCell<HashMap<String, u32>>>,
+    client: String,
+}
+
+impl Drop for AbandonedMark {
+    fn drop(&mut self) {
+        let mut running = self.running.borrow_mut();
+        if let Some(count) = running.get_mut(&self.client) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                running.remove(&self.client);
+            }
+        }
+    }
+}
+
+/// The client part of Envoy's `source.address` (`1.2.3.4:5678`, `[::1]:5678`): the address
+/// without its port. `None` for anything else.
+pub fn client_key(source_address: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(source_address).ok()?.trim();
+    let (host, port) = text.rsplit_once(':')?;
+    if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    (!host.is_empty()).then(|| host.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_is_refused_at_its_limit_until_one_of_its_prefills_ends() {
+        let running = AbandonedPrefills::new(2);
+        let first = running.mark("10.0.0.1");
+        assert!(running.admits("10.0.0.1"));
+        let second = running.mark("10.0.0.1");
+        assert!(!running.admits("10.0.0.1"));
+        assert!(running.admits("10.0.0.2"), "other clients are not affected");
+        drop(first);
+        assert!(running.admits("10.0.0.1"));
+        drop(second);
+        assert_eq!(running.running_for("10.0.0.1"), 0);
+        assert!(
+            running.running.borrow().is_empty(),
+            "no entry is kept for nothing"
+        );
+    }
+
+    #[test]
+    fn no_limit_admits_everyone() {
+        let running = AbandonedPrefills::new(0);
+        let _marks: Vec<_> = (0..100).map(|_| running.mark("10.0.0.1")).collect();
+        assert!(running.admits("10.0.0.1"));
+        assert!(!running.is_limited());
+    }
+
+    #[test]
+    fn client_keys_drop_the_port() {
+        assert_eq!(client_key(b"10.1.2.3:5678").as_deref(), Some("10.1.2.3"));
+        assert_eq!(
+            client_key(b"[2001:db8::1]:443").as_deref(),
+            Some("2001:db8::1")
+        );
+        for bad in [
+            &b""[..],
+            b"10.1.2.3",
+            b":80",
+            b"10.1.2.3:",
+            b"10.1.2.3:x1",
+            b"\xff:1",
+        ] {
+            assert_eq!(client_key(bad), None, "{bad:?}");
+        }
+    }
+}
