@@ -7,6 +7,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::rc::Rc;
 
 /// One VM's (one Envoy worker's) count of running prefill calls whose clients left, by
@@ -77,19 +78,23 @@ impl Drop for AbandonedMark {
     }
 }
 
-/// The client part of Envoy's `source.address` (`1.2.3.4:5678`, `[::1]:5678`): the address
-/// without its port. `None` for anything else.
+/// The client part of Envoy's `source.address` (`1.2.3.4:5678`, `[2001:db8::1]:5678`): an
+/// IPv4 address without its port, or an IPv6 address's /64 network, which one subscriber
+/// usually has whole (counting single IPv6 addresses, a client could take a new one per
+/// request). `None` for anything else.
 pub fn client_key(source_address: &[u8]) -> Option<String> {
     let text = std::str::from_utf8(source_address).ok()?.trim();
-    let (host, port) = text.rsplit_once(':')?;
-    if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let host = host
-        .strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host);
-    (!host.is_empty()).then(|| host.to_owned())
+    let address: SocketAddr = text.parse().ok()?;
+    Some(match address.ip() {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => v4.to_string(),
+            None => {
+                let network = u128::from(v6) & !((1u128 << 64) - 1);
+                format!("{}/64", Ipv6Addr::from(network))
+            }
+        },
+    })
 }
 
 #[cfg(test)]
@@ -126,8 +131,23 @@ mod tests {
     fn client_keys_drop_the_port() {
         assert_eq!(client_key(b"10.1.2.3:5678").as_deref(), Some("10.1.2.3"));
         assert_eq!(
-            client_key(b"[2001:db8::1]:443").as_deref(),
-            Some("2001:db8::1")
+            client_key(b"[::ffff:10.1.2.3]:443").as_deref(),
+            Some("10.1.2.3")
+        );
+        // One IPv6 subscriber's addresses are one client.
+        for address in [
+            &b"[2001:db8:1:2::1]:443"[..],
+            b"[2001:db8:1:2:ffff:1:2:3]:80",
+        ] {
+            assert_eq!(
+                client_key(address).as_deref(),
+                Some("2001:db8:1:2::/64"),
+                "{address:?}"
+            );
+        }
+        assert_eq!(
+            client_key(b"[2001:db8:1:3::1]:443").as_deref(),
+            Some("2001:db8:1:3::/64")
         );
         for bad in [
             &b""[..],
