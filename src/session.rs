@@ -1381,12 +1381,21 @@ impl Session {
         let error = ClientError::new(
             429,
             format!(
-                "too many requests from this client were abandoned while their prefill was \
-                 running ({} still running); retry once they have finished",
+                "this client left {} or more requests whose prefill is still running; \
+                 retry once they have finished",
                 self.abandoned.limit()
             ),
         );
-        Some(Step::new(Flow::Pause, self.reject(&error)))
+        let mut commands = self.reject(&error);
+        // Clients (the OpenAI SDK among them) wait this long before they try again.
+        for command in &mut commands {
+            if let Command::SendReply(reply) = command {
+                reply
+                    .headers
+                    .push(("retry-after".to_owned(), "1".to_owned()));
+            }
+        }
+        Some(Step::new(Flow::Pause, commands))
     }
 
     /// Whether the request went on to decode and decode has not answered: when the client

@@ -423,6 +423,7 @@ async fn a_client_that_leaves_many_prefills_running_is_refused_until_they_end() 
                 refused += 1;
                 let body: Value = serde_json::from_str(&reply.body).expect("JSON");
                 assert_eq!(body["error"]["type"], "RateLimitError", "{body}");
+                assert_eq!(reply.header("retry-after"), Some("1"));
                 assert!(
                     h.prefill_requests(&id).is_empty(),
                     "{id}: refused before prefill"

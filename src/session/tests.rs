@@ -1814,6 +1814,11 @@ fn a_client_that_left_too_many_prefills_running_is_refused_until_they_end() {
     let (status, body) = reply(&refusal.commands);
     assert_eq!(status, 429);
     assert_eq!(body["error"]["type"], "RateLimitError");
+    let retry_after = refusal.commands.iter().any(|c| {
+        matches!(c, Command::SendReply(r)
+            if r.headers.contains(&("retry-after".to_owned(), "1".to_owned())))
+    });
+    assert!(retry_after, "{:?}", refusal.commands);
     assert!(refusal.commands.contains(&Command::Record(Metric::Request(
         Api::Completions,
         Outcome::ClientError
