@@ -32,6 +32,12 @@ impl AbandonedPrefills {
         self.limit > 0
     }
 
+    /// Whether any client has a prefill running after it left: until one has, no client
+    /// can be refused, and no address need be read.
+    pub fn any_running(&self) -> bool {
+        !self.running.borrow().is_empty()
+    }
+
     /// Whether `client` may have a prefill started for it.
     pub fn admits(&self, client: &str) -> bool {
         !self.is_limited() || self.running_for(client) < self.limit

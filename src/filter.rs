@@ -681,6 +681,13 @@ impl Context for PdRequest {
     }
 
     fn on_done(&mut self) -> bool {
+        if self.request.session.borrow().wants_address_on_leaving() {
+            let address = host::property(&["source", "address"]).ok();
+            self.request
+                .session
+                .borrow_mut()
+                .on_leaving_client_address(address.as_deref());
+        }
         let awaits_decode = self.request.session.borrow().awaits_decode_answer();
         let clock = Clock::default();
         let release = if awaits_decode {

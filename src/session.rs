@@ -1359,9 +1359,30 @@ impl Session {
         self
     }
 
-    /// Whether the client's address is wanted: [`Session::on_client_address`] next.
+    /// Whether the client's address is wanted before prefill, to see whether the client may
+    /// have one: [`Session::on_client_address`] next. Only while some client of this VM has
+    /// prefills running after it left; until then the address is read only if this client
+    /// leaves during prefill ([`Session::wants_address_on_leaving`]).
     pub fn wants_client_address(&self) -> bool {
-        self.abandoned.is_limited() && matches!(self.state, State::Buffering(_))
+        self.abandoned.is_limited()
+            && self.abandoned.any_running()
+            && matches!(self.state, State::Buffering(_))
+    }
+
+    /// Whether the client's address is wanted now that the client is leaving, before
+    /// [`Session::on_client_gone`]: its prefill runs on, counted against it.
+    pub fn wants_address_on_leaving(&self) -> bool {
+        self.abandoned.is_limited()
+            && self.client.is_none()
+            && matches!(
+                self.state,
+                State::Dispatching(_) | State::AwaitingPrefill { .. }
+            )
+    }
+
+    /// The client's address (Envoy's `source.address`), read as the client leaves.
+    pub fn on_leaving_client_address(&mut self, source_address: Option<&[u8]>) {
+        self.client = source_address.and_then(client_key);
     }
 
     /// The client's address (Envoy's `source.address`) for an orchestrated request: a

@@ -1781,9 +1781,22 @@ fn what_a_request_keeps_for_its_release_counts_and_a_huge_model_is_not_kept() {
 fn from_client(abandoned: &AbandonedPrefills, address: &str) -> (Session, Option<Step>) {
     let mut s = session("").with_abandoned_prefills(abandoned.clone());
     s.on_request_headers(&post("/v1/completions"), false);
-    assert!(s.wants_client_address());
-    let refusal = s.on_client_address(Some(address.as_bytes()));
+    // The address is read before prefill only once some client has left one running.
+    assert_eq!(s.wants_client_address(), abandoned.any_running());
+    let refusal = if s.wants_client_address() {
+        s.on_client_address(Some(address.as_bytes()))
+    } else {
+        None
+    };
     (s, refusal)
+}
+
+/// The client at `address` leaves, as the filter sees it.
+fn leaves(s: &mut Session, address: &str) {
+    if s.wants_address_on_leaving() {
+        s.on_leaving_client_address(Some(address.as_bytes()));
+    }
+    s.on_client_gone();
 }
 
 #[test]
@@ -1796,17 +1809,19 @@ fn a_client_that_left_too_many_prefills_running_is_refused_until_they_end() {
         assert_eq!(s.on_request_body(20, true), BodyStep::ReadBody);
         s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
         s.on_prefill_dispatched(Some(token), at(0));
-        s.on_client_gone();
+        leaves(&mut s, "10.0.0.1:4000");
         left.push(s);
     }
     // A client that stays, or leaves before its prefill starts, is not counted.
-    let (mut stays, _) = from_client(&abandoned, "10.0.0.1:4001");
+    let (mut stays, refusal) = from_client(&abandoned, "10.0.0.3:4001");
+    assert!(refusal.is_none());
     stays.on_request_body(14, true);
     stays.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
     stays.on_prefill_dispatched(Some(9), at(0));
-    let (mut uploading, _) = from_client(&abandoned, "10.0.0.1:4002");
-    uploading.on_client_gone();
-    drop(uploading);
+    let (mut uploading, refusal) = from_client(&abandoned, "10.0.0.3:4002");
+    assert!(refusal.is_none());
+    leaves(&mut uploading, "10.0.0.3:4002");
+    assert_eq!(abandoned.running_for("10.0.0.3"), 0);
 
     let (_, refusal) = from_client(&abandoned, "10.0.0.1:4003");
     let refusal = refusal.expect("refused at the limit");
@@ -1842,4 +1857,8 @@ fn a_client_that_left_too_many_prefills_running_is_refused_until_they_end() {
         .with_abandoned_prefills(AbandonedPrefills::new(0));
     s.on_request_headers(&post("/v1/completions"), false);
     assert!(!s.wants_client_address());
+    s.on_request_body(14, true);
+    s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
+    s.on_prefill_dispatched(Some(1), at(0));
+    assert!(!s.wants_address_on_leaving());
 }
