@@ -1399,24 +1399,8 @@ impl Session {
             self.request_id,
             self.abandoned.running_for(&client)
         );
-        let error = ClientError::new(
-            429,
-            format!(
-                "this client left {} or more requests whose prefill is still running; \
-                 retry once they have finished",
-                self.abandoned.limit()
-            ),
-        );
-        let mut commands = self.reject(&error);
-        // Clients (the OpenAI SDK among them) wait this long before they try again.
-        for command in &mut commands {
-            if let Command::SendReply(reply) = command {
-                reply
-                    .headers
-                    .push(("retry-after".to_owned(), "1".to_owned()));
-            }
-        }
-        Some(Step::new(Flow::Pause, commands))
+        let error = ClientError::too_many_abandoned_prefills(self.abandoned.limit());
+        Some(Step::new(Flow::Pause, self.reject(&error)))
     }
 
     /// Whether the request went on to decode and decode has not answered: when the client
@@ -1573,6 +1557,9 @@ impl Session {
         let mut headers = vec![("content-type".to_owned(), "application/json".to_owned())];
         if !self.request_id.is_empty() {
             headers.push(("x-request-id".to_owned(), self.request_id.clone()));
+        }
+        if let Some(seconds) = error.retry_after_seconds {
+            headers.push(("retry-after".to_owned(), seconds.to_string()));
         }
         Command::SendReply(LocalReply {
             status: error.status,

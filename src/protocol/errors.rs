@@ -11,6 +11,8 @@ pub struct ClientError {
     pub message: String,
     /// An upstream's own error body, answered as it was written instead of ours.
     pub verbatim: Option<Vec<u8>>,
+    /// Sent as `retry-after`: how long a client waits before it tries again.
+    pub retry_after_seconds: Option<u32>,
 }
 
 impl ClientError {
@@ -20,6 +22,23 @@ impl ClientError {
             error_type: default_error_type(status).to_owned(),
             message: message.into(),
             verbatim: None,
+            retry_after_seconds: None,
+        }
+    }
+
+    /// The client has `limit` requests whose prefill still runs after it left them
+    /// (`max_abandoned_prefills_per_client`).
+    pub fn too_many_abandoned_prefills(limit: u32) -> ClientError {
+        ClientError {
+            // Clients (the OpenAI SDK among them) wait this long before they try again.
+            retry_after_seconds: Some(1),
+            ..ClientError::new(
+                429,
+                format!(
+                    "this client left {limit} or more requests whose prefill is still running; \
+                     retry once they have finished"
+                ),
+            )
         }
     }
 

@@ -129,6 +129,7 @@ pub fn read_prefill_answer(status: Option<u16>, body: &[u8]) -> PrefillAnswer<'_
                     // vLLM would have answered it.
                     message: format!("prefill rejected the request ({status}): {message}"),
                     verbatim: vllm_error_body(body),
+                    retry_after_seconds: None,
                 },
             })
         }
