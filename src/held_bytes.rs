@@ -2,8 +2,8 @@
 //! and overload actions cannot see the VM's memory, and an allocation the VM cannot make
 //! traps and kills it for every request on the worker; so the few things a request keeps in
 //! the VM beyond one callback (a whole body while prefill works, prefill's prompt logprobs
-//! until they are in decode's answer) are counted here, and a request that would go past the budget is
-//! refused instead.
+//! until they are in decode's answer) are counted here, and a request that would go past the
+//! budget is refused instead.
 
 use std::cell::Cell;
 use std::rc::Rc;

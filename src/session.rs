@@ -1329,10 +1329,7 @@ impl Session {
     /// The client went away, or the stream ended: prefill work still under way is released
     /// when it answers. A request already with decode needs nothing: decode has its KV.
     pub fn on_client_gone(&mut self) {
-        if matches!(
-            self.state,
-            State::Dispatching(_) | State::AwaitingPrefill { .. }
-        ) {
+        if self.prefill_running() {
             self._abandoned_mark = self
                 .client
                 .as_deref()
@@ -1372,12 +1369,15 @@ impl Session {
     /// Whether the client's address is wanted now that the client is leaving, before
     /// [`Session::on_client_gone`]: its prefill runs on, counted against it.
     pub fn wants_address_on_leaving(&self) -> bool {
-        self.abandoned.is_limited()
-            && self.client.is_none()
-            && matches!(
-                self.state,
-                State::Dispatching(_) | State::AwaitingPrefill { .. }
-            )
+        self.abandoned.is_limited() && self.client.is_none() && self.prefill_running()
+    }
+
+    /// A prefill call is out (or being handed to the host) for this request.
+    fn prefill_running(&self) -> bool {
+        matches!(
+            self.state,
+            State::Dispatching(_) | State::AwaitingPrefill { .. }
+        )
     }
 
     /// The client's address (Envoy's `source.address`), read as the client leaves.
