@@ -21,9 +21,7 @@ use crate::protocol::rewrite::{
 use crate::protocol::scheduling::{
     check_model_for_header, parse_prefill_hosts, with_reachable_remote_host,
 };
-use crate::protocol::usage::{
-    decode_counts_prefills_hits, merge_answer, prompt_usage, EventStream, PromptUsage,
-};
+use crate::protocol::usage::{merge_answer, prompt_usage_for_decode, EventStream, PromptUsage};
 use crate::protocol::{
     check_content_type, is_vllm_json, media_type, prepare, read_prefill_answer, ClientError,
     DecodePlan, FailureKind, PrefillAnswer, PrefillFailure, PreparedRequest,
@@ -841,11 +839,10 @@ impl Session {
                 });
                 commands.push(Command::ResumeRequest);
                 let prefill_time = Some(prefill.elapsed(now));
-                let merges_usage =
-                    config.usage == UsagePolicy::Merge && !decode_counts_prefills_hits(kv);
-                let prompt_usage = merges_usage
-                    .then(|| prompt_usage(prefill.api, body).map(|usage| (prefill.api, usage)))
-                    .flatten();
+                let prompt_usage = (config.usage == UsagePolicy::Merge)
+                    .then(|| prompt_usage_for_decode(prefill.api, body, kv))
+                    .flatten()
+                    .map(|usage| (prefill.api, usage));
                 let unread_kv = config.release_kv_on_abandon.then(|| UnreadKv {
                     kv_transfer_params: kv.to_vec(),
                     model: prefill.model,

@@ -131,19 +131,40 @@ async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
 }
 
 #[tokio::test]
-async fn usage_counted_right_by_vllm_itself_reaches_the_client_as_decode_wrote_it() {
+async fn under_vllm_0_33_the_client_sees_prefills_cache_writes_and_decodes_own_hits() {
     // vLLM 0.33 and later hand prefill's cache hits to decode in kv_transfer_params
-    // (`remote_prefill_cached_tokens`), and decode reports them itself.
+    // (`remote_prefill_cached_tokens`), and decode reports them itself. Prefill's cache
+    // writes are not handed over: decode, which pulled those tokens, reports none, and the
+    // client gets prefill's. A responses stream cut at its limit ends in
+    // `response.incomplete` there.
     let h = harness();
     for api in &APIS {
+        let writes = if api.path == "/v1/responses" {
+            "cache_write_tokens"
+        } else {
+            "created_cache_tokens"
+        };
         for stream in [false, true] {
             let words = "count mock:prefill_hands_cached_tokens";
-            let (id, _, _, case) = counted(api, words, stream).await;
+            let (id, reply, usage, case) = counted(api, words, stream).await;
             let handed = &h.only_decode(&id).json()["kv_transfer_params"];
             assert_eq!(
                 handed["remote_prefill_cached_tokens"], PREFILL_CACHED,
                 "{case}"
             );
+            let prompt = usage[api.prompt].as_u64().unwrap();
+            assert_eq!(
+                usage[api.details][writes],
+                prompt - PREFILL_CACHED,
+                "{case}: {usage}"
+            );
+            if api.path == "/v1/responses" && stream {
+                assert!(
+                    reply.body.contains("event: response.incomplete\n"),
+                    "{case}: {}",
+                    reply.body
+                );
+            }
         }
     }
 }

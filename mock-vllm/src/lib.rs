@@ -466,7 +466,13 @@ async fn inference(
     })
 }
 
-fn answer(shared: &Shared, parsed: &Parsed, tokens: Vec<String>, cached_tokens: u64) -> Answer {
+fn answer(
+    shared: &Shared,
+    parsed: &Parsed,
+    tokens: Vec<String>,
+    cached_tokens: u64,
+    cache_writes: Option<u64>,
+) -> Answer {
     let prefix = match parsed.endpoint {
         Endpoint::Completions => "cmpl-",
         Endpoint::Chat => "chatcmpl-",
@@ -491,6 +497,7 @@ fn answer(shared: &Shared, parsed: &Parsed, tokens: Vec<String>, cached_tokens: 
         limit: parsed.limit,
         prompt_tokens: parsed.prompt_tokens(),
         cached_tokens: cached_tokens.min(parsed.prompt_tokens()),
+        cache_writes,
         tokens,
     }
 }
@@ -522,7 +529,12 @@ fn object_response(object: &Value, cut: bool) -> Response<Body> {
 fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     let generated = parsed.limit.min(40);
     let tokens = proto::generate("prefill", &parsed.prompt, generated, false);
-    let answer = answer(shared, parsed, tokens, faults.cached_tokens.unwrap_or(0));
+    let cached = faults.cached_tokens.unwrap_or(0);
+    // As vLLM 0.33: the rest of the prompt was computed here and written to the cache.
+    let writes = faults
+        .hands_cached_tokens
+        .then(|| parsed.prompt_tokens().saturating_sub(cached));
+    let answer = answer(shared, parsed, tokens, cached, writes);
     if parsed.stream {
         // vLLM only returns kv_transfer_params on non-streamed answers.
         return sse_response(
@@ -615,7 +627,9 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
         (true, None) => parsed.prompt_tokens(),
         (false, _) => 0,
     };
-    let answer = answer(shared, parsed, tokens, cached);
+    // vLLM 0.33's decode counts the KV it pulled as neither a hit nor a cache write.
+    let writes = prefills_hits.map(|_| 0);
+    let answer = answer(shared, parsed, tokens, cached, writes);
     let mut resp = if parsed.stream {
         sse_response(
             &answer,

@@ -531,6 +531,10 @@ pub(crate) struct Answer {
     /// Prompt tokens found in the prefix cache: under P/D, all of decode's (it counts the
     /// KV pulled from prefill as a hit), and prefill's own hits on prefill.
     pub cached_tokens: u64,
+    /// Prompt tokens computed and written to the prefix cache, reported as vLLM 0.33 does
+    /// (`mock:prefill_hands_cached_tokens`): the rest of prefill's prompt, about none of
+    /// decode's. `None` as vLLM 0.11 answers, which does not report them.
+    pub cache_writes: Option<u64>,
     pub tokens: Vec<String>,
 }
 
@@ -548,11 +552,16 @@ impl Answer {
         }
     }
 
+    /// vLLM 0.33 ends a response cut by `max_output_tokens` as incomplete.
+    fn incomplete(&self) -> bool {
+        self.cache_writes.is_some() && self.tokens.len() as u64 >= self.limit
+    }
+
     fn usage(&self) -> Value {
         let out = self.tokens.len() as u64 * self.n;
         let total = self.prompt_tokens + out;
-        match self.endpoint {
-            Endpoint::Messages => self.message_usage(out),
+        let mut usage = match self.endpoint {
+            Endpoint::Messages => return self.message_usage(out),
             Endpoint::Cohere => json!({
                 "billed_units": {"input_tokens": self.prompt_tokens, "output_tokens": out},
                 "tokens": {"input_tokens": self.prompt_tokens, "output_tokens": out},
@@ -564,12 +573,30 @@ impl Answer {
             _ => json!({"prompt_tokens": self.prompt_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 "completion_tokens": out, "total_tokens": total}),
+        };
+        if let Some(writes) = self.cache_writes {
+            match self.endpoint {
+                Endpoint::Responses => {
+                    usage["input_tokens_details"]["cache_write_tokens"] = json!(writes)
+                }
+                Endpoint::Cohere => {}
+                _ => usage["prompt_tokens_details"]["created_cache_tokens"] = json!(writes),
+            }
         }
+        usage
     }
 
     fn message_usage(&self, output_tokens: u64) -> Value {
-        json!({"input_tokens": self.prompt_tokens, "output_tokens": output_tokens,
-            "cache_read_input_tokens": self.cached_tokens})
+        match self.cache_writes {
+            // vLLM 0.33: input_tokens leave out cache reads and writes.
+            Some(writes) => json!({
+                "input_tokens": self.prompt_tokens.saturating_sub(self.cached_tokens + writes),
+                "output_tokens": output_tokens,
+                "cache_read_input_tokens": self.cached_tokens,
+                "cache_creation_input_tokens": writes}),
+            None => json!({"input_tokens": self.prompt_tokens, "output_tokens": output_tokens,
+                "cache_read_input_tokens": self.cached_tokens}),
+        }
     }
 
     /// Messages: the message object, `content` given.
@@ -601,7 +628,8 @@ impl Answer {
             }),
             Endpoint::Responses => json!({
                 "id": self.id, "object": "response", "created_at": self.created,
-                "status": "completed", "model": self.model,
+                "status": if self.incomplete() { "incomplete" } else { "completed" },
+                "model": self.model,
                 "output": [{"type": "message", "id": format!("msg-{}", self.id),
                     "status": "completed", "role": "assistant",
                     "content": [{"type": "output_text", "text": text, "annotations": []}]}],
@@ -693,10 +721,17 @@ impl Answer {
             }
         }
         match self.endpoint {
-            Endpoint::Responses => events.push(format!(
-                "event: response.completed\ndata: {}\n\n",
-                json!({"type": "response.completed", "response": self.object()})
-            )),
+            Endpoint::Responses => {
+                let last = if self.incomplete() {
+                    "response.incomplete"
+                } else {
+                    "response.completed"
+                };
+                events.push(format!(
+                    "event: {last}\ndata: {}\n\n",
+                    json!({"type": last, "response": self.object()})
+                ))
+            }
             Endpoint::Messages => {
                 events.push(event(
                     "content_block_stop",
@@ -844,6 +879,7 @@ mod tests {
             limit: parsed.limit,
             prompt_tokens: parsed.prompt_tokens(),
             cached_tokens,
+            cache_writes: None,
             tokens,
         }
     }

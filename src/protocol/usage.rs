@@ -13,7 +13,19 @@ pub struct PromptUsage {
     pub prompt_tokens: u64,
     /// Prefill's other members of the prompt's side of its usage, as it wrote them.
     members: Vec<(&'static str, Vec<u8>)>,
+    /// Prefill counted prompt tokens it computed and wrote to its prefix cache (vLLM 0.33:
+    /// `created_cache_tokens`, `cache_write_tokens`, `cache_creation_input_tokens`). Decode,
+    /// which pulled them, counts about none.
+    wrote_cache: bool,
 }
+
+/// The names vLLM gives the count of prompt tokens written to the prefix cache: in a
+/// details object (completions and chat, responses) or in the usage itself (messages).
+const CACHE_WRITES: [&str; 3] = [
+    "created_cache_tokens",
+    "cache_write_tokens",
+    "cache_creation_input_tokens",
+];
 
 /// Where an API keeps the counts in its usage object.
 struct Fields {
@@ -71,16 +83,46 @@ pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
             Some((key, value.to_vec()))
         })
         .collect();
+    let wrote_cache = cache_writes(&usage)
+        || fields.details.is_some_and(|name| {
+            usage
+                .last_value(name)
+                .and_then(|details| JsonObject::parse(details).ok())
+                .is_some_and(|details| cache_writes(&details))
+        });
     Some(PromptUsage {
         prompt_tokens: as_count(usage.last_value(fields.prompt)?)?,
         members,
+        wrote_cache,
     })
+}
+
+/// Whether `object` counts any prompt tokens as written to the prefix cache.
+fn cache_writes(object: &JsonObject) -> bool {
+    CACHE_WRITES.iter().any(|&name| {
+        object
+            .last_value(name)
+            .and_then(as_count)
+            .is_some_and(|count| count > 0)
+    })
+}
+
+/// Prefill's prompt counts, when decode's answer needs them to count as one vLLM would:
+/// `None` when decode already counts the prompt as prefill did (below) and prefill wrote
+/// nothing to its cache that decode would count as unwritten.
+pub fn prompt_usage_for_decode(
+    api: Api,
+    prefill_answer: &[u8],
+    kv_transfer_params: &[u8],
+) -> Option<PromptUsage> {
+    prompt_usage(api, prefill_answer)
+        .filter(|usage| usage.wrote_cache || !decode_counts_prefills_hits(kv_transfer_params))
 }
 
 /// Whether decode will count the prompt's cache hits as prefill's on its own: vLLM 0.33 and
 /// later put prefill's hits into the `kv_transfer_params` prefill answers
 /// (`remote_prefill_cached_tokens`), and decode reports those instead of the KV it pulled.
-/// Decode's usage is then already one vLLM's, and is left as decode wrote it.
+/// Their cache writes, though, decode does not take: it counts the KV it pulled as neither.
 pub fn decode_counts_prefills_hits(kv_transfer_params: &[u8]) -> bool {
     JsonObject::parse(kv_transfer_params)
         .ok()
@@ -192,10 +234,11 @@ pub fn merge_answer(api: Api, answer: &[u8], prompt: &PromptUsage) -> Option<Vec
 }
 
 /// One server-sent event (without its blank line) with prefill's prompt counts, where it
-/// carries usage: the usage chunk of completions and chat, the final `response.completed`
-/// event of responses. `None` for every other event.
+/// carries usage: the usage chunk of completions and chat, the last event of responses
+/// (`response.completed`, or `response.incomplete` when vLLM 0.33 stopped at the limit).
+/// `None` for every other event.
 pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
-    if !contains(event, usage_marker(api)) {
+    if !contains(event, USAGE_MARKER) {
         return None;
     }
     // The event's data line: `data: {…}`.
@@ -230,17 +273,10 @@ pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u
     Some(out)
 }
 
-/// Bytes every event that carries usage contains (and few others do).
-fn usage_marker(api: Api) -> &'static [u8] {
-    match api {
-        Api::Responses => b"response.completed",
-        Api::Completions
-        | Api::ChatCompletions
-        | Api::Messages
-        | Api::Generate
-        | Api::CohereChat => b"\"usage\"",
-    }
-}
+/// Bytes every event that carries usage contains, and few others do: besides the usage
+/// events, only the first events of a responses stream (`"usage":null`), which are left as
+/// they are.
+const USAGE_MARKER: &[u8] = b"\"usage\"";
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     memchr::memmem::find(haystack, needle)
@@ -342,13 +378,12 @@ fn first_event_end(data: &[u8]) -> Option<usize> {
 /// Complete events with prefill's prompt counts where they carry usage; `None` when none
 /// does. Only the events around a usage marker are looked at, found by a fast search.
 fn merge_events(api: Api, prompt: &PromptUsage, complete: &[u8]) -> Option<Vec<u8>> {
-    let marker = usage_marker(api);
     let mut out: Option<Vec<u8>> = None;
     let mut cursor = 0;
     let mut search_from = 0;
     while let Some(at) = complete
         .get(search_from..)
-        .and_then(|rest| find(rest, marker))
+        .and_then(|rest| find(rest, USAGE_MARKER))
         .map(|found| search_from + found)
     {
         let before = complete.get(..at).unwrap_or_default();
@@ -417,7 +452,8 @@ mod tests {
             prompt_usage(Api::Completions, bare),
             Some(PromptUsage {
                 prompt_tokens: 7,
-                members: vec![]
+                members: vec![],
+                wrote_cache: false,
             })
         );
         assert_eq!(prompt_usage(Api::Completions, b"{}"), None);
@@ -606,20 +642,82 @@ data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"usage"}
                 None
             );
         }
-        let completed = br#"event: response.completed
-data: {"type":"response.completed","response":{"id":"r","usage":{"input_tokens":7,"output_tokens":2,"total_tokens":9}}}"#;
-        let merged = merge_event(Api::Responses, completed, &prefill(Api::Responses)).unwrap();
-        let text = String::from_utf8(merged).unwrap();
-        let (head, data) = text.split_once("data: ").unwrap();
-        assert_eq!(head, "event: response.completed\n");
+        // A responses stream ends in `response.completed`, or in `response.incomplete` where
+        // vLLM 0.33 stopped at max_output_tokens.
+        for last in ["response.completed", "response.incomplete"] {
+            let event = format!(
+                r#"event: {last}
+data: {{"type":"{last}","response":{{"id":"r","usage":{{"input_tokens":7,"output_tokens":2,"total_tokens":9}}}}}}"#
+            );
+            let merged =
+                merge_event(Api::Responses, event.as_bytes(), &prefill(Api::Responses)).unwrap();
+            let text = String::from_utf8(merged).unwrap();
+            let (head, data) = text.split_once("data: ").unwrap();
+            assert_eq!(head, format!("event: {last}\n"));
+            let usage = &value(data.as_bytes())["response"]["usage"];
+            assert_eq!(usage["total_tokens"], 9, "{last}");
+            assert_eq!(usage["input_tokens_details"]["cached_tokens"], 2, "{last}");
+        }
+        // Its first events carry the response without usage yet.
+        let created = br#"event: response.created
+data: {"type":"response.created","response":{"id":"r","status":"in_progress","usage":null}}"#;
         assert_eq!(
-            value(data.as_bytes())["response"]["usage"]["total_tokens"],
-            9
+            merge_event(Api::Responses, created, &prefill(Api::Responses)),
+            None
         );
-        assert_eq!(
-            value(data.as_bytes())["response"]["usage"]["input_tokens_details"]["cached_tokens"],
-            2
-        );
+    }
+
+    #[test]
+    fn decode_counts_as_one_vllm_where_prefill_handed_its_hits_and_wrote_no_cache() {
+        // vLLM 0.33: prefill's hits reach decode in kv_transfer_params; its cache writes
+        // do not, and decode, which pulled those tokens, counts about none.
+        let handed = br#"{"remote_engine_id":"e","remote_prefill_cached_tokens":2}"#;
+        let not_handed = br#"{"remote_engine_id":"e"}"#;
+        let cases: [(Api, &[u8], bool); 6] = [
+            (
+                Api::ChatCompletions,
+                br#"{"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":2,"created_cache_tokens":5}}}"#,
+                true,
+            ),
+            (
+                Api::ChatCompletions,
+                br#"{"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":2,"created_cache_tokens":0}}}"#,
+                false,
+            ),
+            (
+                Api::Completions,
+                br#"{"usage":{"prompt_tokens":7,"prompt_tokens_details":{"cached_tokens":2}}}"#,
+                false,
+            ),
+            (
+                Api::Responses,
+                br#"{"usage":{"input_tokens":7,"input_tokens_details":{"cached_tokens":2,"cache_write_tokens":5}}}"#,
+                true,
+            ),
+            (
+                Api::Messages,
+                br#"{"usage":{"input_tokens":0,"cache_read_input_tokens":2,"cache_creation_input_tokens":5}}"#,
+                true,
+            ),
+            (
+                Api::Messages,
+                br#"{"usage":{"input_tokens":5,"cache_read_input_tokens":2}}"#,
+                false,
+            ),
+        ];
+        for (api, answer, merged) in cases {
+            let case = String::from_utf8_lossy(answer);
+            assert_eq!(
+                prompt_usage_for_decode(api, answer, handed).is_some(),
+                merged,
+                "{api:?} {case}"
+            );
+            // Without the hand-over decode's hits are always wrong.
+            assert!(
+                prompt_usage_for_decode(api, answer, not_handed).is_some(),
+                "{api:?} {case}"
+            );
+        }
     }
 
     #[test]

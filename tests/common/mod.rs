@@ -919,7 +919,8 @@ pub fn answer_text(body: &str) -> (String, usize, bool) {
             continue;
         }
         let value: serde_json::Value = serde_json::from_str(data).unwrap_or_default();
-        if value["type"] == "response.completed" {
+        // vLLM 0.33 ends a response cut by its max_output_tokens as incomplete.
+        if value["type"] == "response.completed" || value["type"] == "response.incomplete" {
             ended = true;
         }
         if let Some(delta) = value["choices"][0]["text"]
