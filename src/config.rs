@@ -121,8 +121,9 @@ impl Default for RawConfig {
 }
 
 /// Client headers the prefill call carries by default: credentials (`authorization`, and
-/// `x-api-key` as Anthropic-style clients send it) and trace context (W3C and B3), so that a
-/// trace shows both legs.
+/// `x-api-key` as Anthropic-style clients send it), trace context (W3C and B3), so that a
+/// trace shows both legs, and vLLM's `x-vllm-priority`, which it reads before the body's
+/// `priority`, so that prefill schedules the request as decode does.
 pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
     "authorization",
     "traceparent",
@@ -135,6 +136,7 @@ pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
     "x-b3-sampled",
     "x-b3-flags",
     "x-api-key",
+    "x-vllm-priority",
 ];
 
 /// vLLM's generation APIs that the filter does not orchestrate: their requests go to decode

@@ -222,7 +222,7 @@ async fn every_answer_carries_the_request_id_both_legs_logged() {
 }
 
 #[tokio::test]
-async fn trace_headers_reach_prefill() {
+async fn trace_and_priority_headers_reach_prefill() {
     let h = harness();
     let id = unique_id("trace");
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -231,6 +231,7 @@ async fn trace_headers_reach_prefill() {
         .header("traceparent", traceparent)
         .header("tracestate", "vendor=1")
         .header("x-b3-traceid", "80f198ee56343ba864fe8b2a57d3eff7")
+        .header("x-vllm-priority", "-5")
         .body(body(&APIS[0], "trace me", false).to_string())
         .send()
         .await;
@@ -242,6 +243,8 @@ async fn trace_headers_reach_prefill() {
         prefill.header("x-b3-traceid"),
         Some("80f198ee56343ba864fe8b2a57d3eff7")
     );
+    // vLLM reads the priority header before the body's: prefill schedules as decode does.
+    assert_eq!(prefill.header("x-vllm-priority"), Some("-5"));
 }
 
 #[tokio::test]
