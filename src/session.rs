@@ -892,11 +892,7 @@ impl Session {
             .prefill_timeout
             .checked_sub(prefill.elapsed(now))
             .filter(|left| !left.is_zero());
-        // An answer with prompt logprobs can be larger than Envoy takes for a call's answer,
-        // which it then resets: another attempt would fail alike, each holding KV on prefill.
-        let oversized_maybe =
-            failure.kind == FailureKind::Reset && prefill.decode.prompt_logprobs_from_prefill;
-        let retry = failure.is_retryable() && !oversized_maybe;
+        let retry = failure.is_retryable();
         let Some(budget_left) =
             budget_left.filter(|_| retry && prefill.attempt < config.prefill_retries)
         else {

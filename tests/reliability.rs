@@ -135,11 +135,15 @@ async fn a_prefill_reset_before_answering_is_503() {
 }
 
 #[tokio::test]
-async fn a_prefill_reset_mid_answer_is_502() {
+async fn a_prefill_reset_mid_answer_is_502_and_not_sent_again() {
+    // vLLM starts a non-streamed answer once the prompt is computed: another attempt would
+    // compute it again beside the KV the first one holds.
+    let h = harness();
     for listener in ["default", "strict"] {
         let id = unique_id("prefill-reset-mid");
         let body = completion("x mock:prefill_reset_mid_answer");
         assert_refused(listener, COMPLETIONS, &id, body, 502, "reset").await;
+        h.only_prefill(&id);
         assert_still_serves(listener).await;
     }
 }

@@ -74,11 +74,14 @@ impl PrefillFailure {
     }
 
     /// Whether another attempt may succeed: the request never reached a working prefill
-    /// (connection refused or reset, or prefill said it is unavailable). Never a 4xx, never
-    /// a timeout.
+    /// (connection refused, reset before any answer, or prefill said it is unavailable).
+    /// Never a 4xx, never a timeout, and never a reset after the answer began (502): vLLM
+    /// starts a non-streamed answer once the prompt is computed, so that prefill holds its
+    /// KV, and another attempt would compute the prompt again.
     pub fn is_retryable(&self) -> bool {
         match self.kind {
-            FailureKind::Unreachable | FailureKind::Reset => true,
+            FailureKind::Unreachable => true,
+            FailureKind::Reset => self.error.status == 503,
             FailureKind::Status => self.error.status == 503,
             FailureKind::Timeout | FailureKind::NoKvTransferParams => false,
         }
@@ -366,7 +369,10 @@ mod tests {
     fn retries_only_where_prefill_never_started_the_work() {
         assert!(failure(Some(503), b"no healthy upstream").is_retryable());
         assert!(failure(Some(503), br#"{"error":{"message":"busy"}}"#).is_retryable());
-        assert!(failure(None, b"").is_retryable());
+        let terminated = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+        assert!(failure(Some(503), terminated).is_retryable());
+        // Reset after the answer began: prefill computed the prompt and holds its KV.
+        assert!(!failure(None, b"").is_retryable());
         assert!(!failure(Some(504), b"upstream request timeout").is_retryable());
         assert!(!failure(Some(500), b"").is_retryable());
         assert!(!failure(Some(429), b"").is_retryable());

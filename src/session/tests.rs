@@ -1631,21 +1631,29 @@ fn prompt_logprobs_larger_than_an_answer_the_filter_holds_are_refused_before_dec
 }
 
 #[test]
-fn a_reset_prefill_call_with_prompt_logprobs_is_not_sent_again() {
-    // Envoy resets a call whose answer is larger than it takes: prompt logprobs can be.
-    let mut s = prefilling_body("", r#"{"prompt":"x","max_tokens":5,"prompt_logprobs":1}"#);
-    let commands = s.on_prefill_answer(1, None, b"", at(5));
-    assert!(
-        !commands
-            .iter()
-            .any(|c| matches!(c, Command::DispatchPrefill(_))),
-        "{commands:?}"
-    );
-    assert_eq!(reply(&commands).0, 502);
-    // Without prompt logprobs, a reset is tried again.
+fn a_prefill_call_reset_after_its_answer_began_is_not_sent_again() {
+    // vLLM starts a non-streamed answer once the prompt is computed: that prefill holds the
+    // KV, and another attempt would compute the prompt again. Envoy also resets a call whose
+    // answer is larger than it takes (prompt logprobs can be), which would fail alike.
+    for body in [
+        r#"{"prompt":"x","max_tokens":5,"prompt_logprobs":1}"#,
+        r#"{"prompt":"x","max_tokens":5}"#,
+    ] {
+        let mut s = prefilling_body("", body);
+        let commands = s.on_prefill_answer(1, None, b"", at(5));
+        assert!(
+            !commands
+                .iter()
+                .any(|c| matches!(c, Command::DispatchPrefill(_))),
+            "{body}: {commands:?}"
+        );
+        assert_eq!(reply(&commands).0, 502, "{body}");
+    }
+    // A reset before any answer (Envoy's 503) is tried again.
     let body = r#"{"prompt":"x","max_tokens":5}"#;
     let mut s = prefilling_body("", body);
-    let commands = answer_retrying(&mut s, 1, None, b"", body, at(5));
+    let before_headers = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+    let commands = answer_retrying(&mut s, 1, Some(503), before_headers, body, at(5));
     assert!(commands
         .iter()
         .any(|c| matches!(c, Command::DispatchPrefill(_))));
