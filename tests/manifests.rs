@@ -2342,6 +2342,12 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
         ("/v1%2fcompletions", false),
         ("/v1/chat%2Fcompletions", false),
         ("/v1%5Ccompletions", false),
+        // vLLM (Starlette) serves a path with a final newline as the path without it: the
+        // filter refuses escaped control characters.
+        ("/v1/completions%0A", false),
+        ("/v1/chat/completions%0a?x=1", false),
+        ("/v1/completions%0A/", false),
+        ("/invocations%0A", false),
         ("/v1/completions", true),
         ("/v1/%63ompletions", true),
         ("/%76%31/completions", true),

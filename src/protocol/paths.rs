@@ -33,6 +33,15 @@ pub fn classify_path<'a>(
 ) -> PathVerdict {
     let path = raw_path.split(['?', '#']).next().unwrap_or_default();
     let canonical = canonical_path(path);
+    // Starlette matches a route with a Python `$`, which also matches before a final
+    // newline: vLLM serves `/v1/completions%0A` as `/v1/completions`. No API has a control
+    // character in its path, so no request with one goes on, whatever its path.
+    if canonical.bytes().any(|byte| byte < 0x20 || byte == 0x7f) {
+        return PathVerdict::Refuse(ClientError::bad_request(format!(
+            "request path {:?} has a percent-encoded control character",
+            shown(path)
+        )));
+    }
     let verdict = match orchestrated
         .into_iter()
         .find(|(configured, _)| *configured == canonical)
@@ -44,12 +53,17 @@ pub fn classify_path<'a>(
     if canonical == path {
         verdict
     } else {
-        let shown: String = path.chars().take(128).collect();
         PathVerdict::Refuse(ClientError::bad_request(format!(
-            "request path {shown:?} must be written plainly as {canonical:?}: no percent-encoding, \
-             repeated slashes or dot segments"
+            "request path {:?} must be written plainly as {canonical:?}: no percent-encoding, \
+             repeated slashes or dot segments",
+            shown(path)
         )))
     }
+}
+
+/// A path as an error message shows it: its first 128 characters.
+fn shown(path: &str) -> String {
+    path.chars().take(128).collect()
 }
 
 /// The path a backend serves: percent-decoded, slashes merged, dot segments resolved.
@@ -165,6 +179,36 @@ mod tests {
                     assert_eq!(error.status, 400);
                     assert!(
                         error.message.contains("written plainly"),
+                        "{}",
+                        error.message
+                    );
+                }
+                other => panic!("{path}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn paths_with_control_characters_are_refused_whatever_they_name() {
+        // vLLM (Starlette) serves a path with one final newline as the path without it.
+        for path in [
+            "/v1/completions%0A",
+            "/v1/chat/completions%0a",
+            "/v1/completions%0A?x=1",
+            "/v1/messages%0A",
+            "/v1/completions%0A/",
+            "/v1/completions%0D%0A",
+            "/v1/completions%00",
+            "/v1/models%0A",
+            "/sleep%0A",
+            "/inference/v1/abort_requests%7F",
+            "/%09",
+        ] {
+            match classify(path) {
+                PathVerdict::Refuse(error) => {
+                    assert_eq!(error.status, 400, "{path}");
+                    assert!(
+                        error.message.contains("control character"),
                         "{}",
                         error.message
                     );
