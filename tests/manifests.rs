@@ -511,9 +511,41 @@ fn istio_names_agree_across_the_manifests() {
             .is_some_and(|gateways| gateways.iter().any(|g| g == gateway_name)),
         "the VirtualService must be bound to the Gateway {gateway_name}"
     );
-    let routes = virtual_service["spec"]["http"].as_array().expect("http");
+    let all_routes = virtual_service["spec"]["http"].as_array().expect("http");
+    // vLLM's operator endpoints: those under /v1/ answered 404 first, no route to the others.
+    let first = &all_routes[0];
+    assert!(
+        first["directResponse"]["status"] == 404
+            && first["match"][0]["uri"]["regex"]
+                .as_str()
+                .is_some_and(|regex| regex.contains("load_lora_adapter")),
+        "the VirtualService must answer vLLM's LoRA endpoints 404 first: {first}"
+    );
+    let routes: Vec<Value> = all_routes
+        .iter()
+        .filter(|route| route["directResponse"].is_null())
+        .cloned()
+        .collect();
     assert!(!routes.is_empty());
-    for route in routes {
+    for operator in [
+        "/inference/v1/abort_requests",
+        "/abort_requests",
+        "/scale_elastic_ep",
+        "/sleep",
+        "/collective_rpc",
+        "/update_weights",
+    ] {
+        let routed = routes.iter().any(|route| {
+            route["match"].as_array().into_iter().flatten().any(|m| {
+                m["uri"]["exact"] == operator
+                    || m["uri"]["prefix"]
+                        .as_str()
+                        .is_some_and(|prefix| operator.starts_with(prefix))
+            })
+        });
+        assert!(!routed, "the VirtualService routes vLLM's {operator}");
+    }
+    for route in &routes {
         assert_eq!(route["timeout"], "0s", "long generations: {route}");
         for destination in route["route"].as_array().expect("route") {
             let host = destination["destination"]["host"].as_str().expect("host");
@@ -544,7 +576,7 @@ fn istio_names_agree_across_the_manifests() {
             "the VirtualService does not route {path}, which the plugin orchestrates"
         );
     }
-    for route in routes {
+    for route in &routes {
         for destination in route["route"].as_array().expect("route") {
             let decode = format!(
                 "outbound|{}||{}",
@@ -1039,6 +1071,57 @@ fn guard_problem(hcm: &Value) -> Option<String> {
     (!answers_503).then(|| "pd-filter-guard's refusals are not answered 503".into())
 }
 
+/// vLLM's operator endpoints (aborting requests by id, resizing the deployment, and those its
+/// LoRA, profiler, development and RL settings add), as the first routes of envoy/envoy.yaml
+/// answer them: 404 from Envoy itself.
+fn operator_endpoint_routes() -> Vec<Value> {
+    let routes = yaml_file("envoy/envoy.yaml").remove(0)["static_resources"]["listeners"][0]
+        ["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
+        ["routes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    routes
+        .into_iter()
+        .take_while(|route| route["direct_response"]["status"] == 404)
+        .collect()
+}
+
+/// What lets a client reach vLLM's operator endpoints through a connection manager: every
+/// virtual host must answer them first, as envoy/envoy.yaml does.
+fn operator_endpoints_problem(hcm: &Value) -> Option<String> {
+    let denied = operator_endpoint_routes();
+    let regexes: String = denied
+        .iter()
+        .filter_map(|route| route["match"]["safe_regex"]["regex"].as_str())
+        .collect();
+    if ![
+        "abort_requests",
+        "scal(e|ing)_elastic_ep",
+        "collective_rpc",
+        "update_weight",
+    ]
+    .iter()
+    .all(|endpoint| regexes.contains(endpoint))
+    {
+        return Some(
+            "envoy/envoy.yaml's first routes do not refuse vLLM's operator endpoints".into(),
+        );
+    }
+    let hosts = hcm["route_config"]["virtual_hosts"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let open = hosts.iter().find(|host| {
+        let routes = host["routes"].as_array().cloned().unwrap_or_default();
+        !routes.starts_with(&denied)
+    })?;
+    Some(format!(
+        "virtual host {} does not answer vLLM's operator endpoints 404 first",
+        open["name"]
+    ))
+}
+
 /// Whether a `prefill_hosts_allowed` entry (a CIDR or `ip:port`) lets the callout reach
 /// `address`.
 fn allows(entry: &str, address: std::net::IpAddr) -> bool {
@@ -1193,6 +1276,9 @@ fn hardening_errors(config: &Value) -> Vec<String> {
         }
 
         if let Some(problem) = guard_problem(hcm) {
+            error(problem);
+        }
+        if let Some(problem) = operator_endpoints_problem(hcm) {
             error(problem);
         }
 
@@ -1408,6 +1494,10 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             .flatten()
         {
             for route in host["routes"].as_array().into_iter().flatten() {
+                // Envoy's own answer (vLLM's operator endpoints) goes nowhere.
+                if route["direct_response"].is_object() {
+                    continue;
+                }
                 let Some(target) = route["route"]["cluster"].as_str() else {
                     error(format!("a route without a cluster: {route}"));
                     continue;
@@ -1614,8 +1704,10 @@ fn weakened_envoy_configs_are_caught() {
             },
         ),
         ("a route timeout", "timeout \"15s\"", |c| {
-            first_hcm(c)["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["timeout"] =
-                json!("15s")
+            let routes = first_hcm(c)["route_config"]["virtual_hosts"][0]["routes"]
+                .as_array_mut()
+                .unwrap();
+            routes.last_mut().unwrap()["route"]["timeout"] = json!("15s")
         }),
         (
             "a route to an address the client names",
@@ -1667,6 +1759,16 @@ fn weakened_envoy_configs_are_caught() {
                 .unwrap();
             mappers.retain(|m| m["status_code"] != 503);
         }),
+        (
+            "vLLM's operator endpoints routed to decode",
+            "operator endpoints",
+            |c| {
+                let routes = first_hcm(c)["route_config"]["virtual_hosts"][0]["routes"]
+                    .as_array_mut()
+                    .unwrap();
+                routes.remove(0);
+            },
+        ),
         ("an allow-list with loopback", "allows loopback", |c| {
             let wasm = &mut first_hcm(c)["http_filters"][0]["typed_config"]["config"];
             wasm["configuration"]["value"] = json!(
@@ -2160,6 +2262,34 @@ fn envoy_yaml_refuses_requests_the_filter_did_not_see_in_envoy() {
         denied.contains("rbac.pd_filter_guard.denied: 2"),
         "{denied}"
     );
+}
+
+/// envoy/envoy.yaml as shipped answers vLLM's operator endpoints 404 itself, however the
+/// client spells the path, and serves the APIs beside them.
+#[test]
+fn envoy_yaml_keeps_vllms_operator_endpoints_from_clients_in_envoy() {
+    let (_runtime, _prefill, decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-operator");
+    for target in [
+        "/inference/v1/abort_requests",
+        "/abort_requests",
+        "/scale_elastic_ep",
+        "/inference/v1/abort_requests/",
+        "/inference/v1/abort_requests?x=1",
+        "//inference//v1/abort_requests",
+        "/inference/v1/../v1/abort_requests",
+        "/inference/v1/%61bort_requests",
+        "/v1/load_lora_adapter",
+        "/collective_rpc",
+        "/sleep",
+        "/fault_tolerance/apply",
+    ] {
+        let reply = raw_post(envoy.port, target, &[], r#"{"request_ids":["victim"]}"#);
+        openai_error(&reply, 404).unwrap_or_else(|e| panic!("{target}: {e}"));
+    }
+    assert!(decode.requests().is_empty(), "{:?}", decode.requests());
+    // Beside them, the APIs still reach decode.
+    let reply = raw_post(envoy.port, "/v1/completions", &[], COMPLETION_BODY);
+    assert_eq!(reply.status, 200, "{}", reply.body);
 }
 
 const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
