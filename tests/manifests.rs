@@ -969,10 +969,12 @@ fn envoy_validate_runs_the_filters_configuration() {
 /// Request headers that choose a worker. They are trusted only from the operator's own
 /// components (a scheduler, the filter itself), so every configuration removes clients' copies
 /// before any filter runs.
-const TRUSTED_HEADERS: [&str; 3] = [
+const TRUSTED_HEADERS: [&str; 4] = [
     "x-prefiller-host-port",
     "x-gateway-destination-endpoint",
     "x-pd-model",
+    // vLLM 0.33 serves a request on the data-parallel engine it names.
+    "x-data-parallel-rank",
 ];
 
 /// The filter's defaults for the keys the checks below read.
@@ -2544,6 +2546,7 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
             ("x-prefiller-host-port", &admin),
             ("x-gateway-destination-endpoint", &admin),
             ("x-pd-model", "another-model"),
+            ("x-data-parallel-rank", "3"),
         ],
         COMPLETION_BODY,
     );
