@@ -37,8 +37,8 @@ use crate::host;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
 use crate::session::{
-    BodyStep, Command, Flow, HostFailure, HttpCall, Metric, ResponseHead, Session, Step,
-    FILTER_RAN_FILTER_STATE,
+    BodyStep, Command, Flow, HostFailure, HttpCall, Metric, PrefillHead, ResponseHead, Session,
+    Step, FILTER_RAN_FILTER_STATE,
 };
 use crate::stats::Stats;
 
@@ -351,8 +351,8 @@ impl Worker {
     fn on_answer(&self, token: u32, body_size: usize, context: In) {
         let caller = self.callouts.borrow_mut().answered(token);
         // A reset callout has no headers at all: read them as a list, never `:status` by name.
-        let status = host::header_map(MapType::HttpCallResponseHeaders)
-            .unwrap_or_default()
+        let headers = host::header_map(MapType::HttpCallResponseHeaders).unwrap_or_default();
+        let status = headers
             .text(":status")
             .and_then(|status| status.parse::<u16>().ok());
         match caller {
@@ -360,9 +360,13 @@ impl Worker {
                 let body = host::buffer(BufferType::HttpCallResponseBody, 0, body_size)
                     .unwrap_or_default();
                 let clock = Clock::default();
-                let commands = request.session.borrow_mut().on_prefill_answer(
-                    token,
+                let head = PrefillHead {
                     status,
+                    retry_after: headers.text("retry-after"),
+                };
+                let commands = request.session.borrow_mut().on_prefill_response(
+                    token,
+                    head,
                     &body,
                     clock.now(),
                 );

@@ -182,6 +182,14 @@ pub enum HostFailure {
     ReplaceRequestBody,
 }
 
+/// The headers of prefill's answer that matter.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PrefillHead<'a> {
+    /// `None` when the answer has no headers: the call was reset.
+    pub status: Option<u16>,
+    pub retry_after: Option<&'a str>,
+}
+
 /// One request.
 pub struct Session {
     config: Option<Rc<Config>>,
@@ -733,14 +741,17 @@ impl Session {
         }
     }
 
-    /// The answer to a prefill call: `status` is `None` when it has no headers (a reset).
-    pub fn on_prefill_answer(
+    /// The answer to a prefill call: `head.status` is `None` when it has no headers (a
+    /// reset).
+    pub fn on_prefill_response(
         &mut self,
         token: u32,
-        status: Option<u16>,
+        head: PrefillHead<'_>,
         body: &[u8],
         now: SystemTime,
     ) -> Vec<Command> {
+        let status = head.status;
+        let read = |body| read_prefill_answer(status, body).with_retry_after(head.retry_after);
         let Some(config) = self.config.clone() else {
             return Vec::new();
         };
@@ -751,7 +762,7 @@ impl Session {
                 token: Some(t),
             } if t == token => {
                 self.state = State::Finished;
-                let PrefillAnswer::KvTransferParams(kv) = read_prefill_answer(status, body) else {
+                let PrefillAnswer::KvTransferParams(kv) = read(body) else {
                     return Vec::new();
                 };
                 log::debug!(
@@ -771,7 +782,7 @@ impl Session {
                 return Vec::new();
             }
         };
-        match read_prefill_answer(status, body) {
+        match read(body) {
             PrefillAnswer::KvTransferParams(kv) => {
                 let mut commands = self.prefill_time(&prefill, now, PrefillResult::Kv);
                 let reached = prefill.host().filter(|_| config.replace_local_remote_host);

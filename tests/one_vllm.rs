@@ -202,6 +202,22 @@ async fn prefill_errors_reach_the_client_as_vllm_wrote_them() {
 }
 
 #[tokio::test]
+async fn prefills_retry_after_reaches_the_client_with_its_error() {
+    // A rate limiter in front of prefill says how long to wait; SDKs wait as advised.
+    for status in [429, 503] {
+        let id = unique_id("prefill-retry-after");
+        let prompt = format!("wait mock:prefill_status={status} mock:prefill_retry_after=3");
+        let reply = Request::post("default", "/v1/completions")
+            .id(&id)
+            .body(json!({"prompt": prompt, "max_tokens": 3}).to_string())
+            .send()
+            .await;
+        assert_eq!(reply.status, status, "{}", reply.body);
+        assert_eq!(reply.header("retry-after"), Some("3"), "{status}");
+    }
+}
+
+#[tokio::test]
 async fn every_answer_carries_the_request_id_both_legs_logged() {
     let h = harness();
     let sent = body(&APIS[1], "which id", false).to_string();

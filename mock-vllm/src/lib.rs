@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http_body_util::{channel::Channel, combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::header::{HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
@@ -337,6 +337,9 @@ struct Faults {
     hands_cached_tokens: bool,
     /// Decode: the time between two streamed events (`mock:decode_token_delay_ms=N`).
     token_delay_ms: Option<u64>,
+    /// A `retry-after` on an error answer (`mock:prefill_retry_after=N`), as a rate limiter
+    /// in front of vLLM would send.
+    retry_after: Option<u64>,
 }
 
 impl Faults {
@@ -362,6 +365,7 @@ impl Faults {
             cached_tokens: if prefill { num("cached_tokens") } else { None },
             hands_cached_tokens: prefill && flag("hands_cached_tokens"),
             token_delay_ms: if prefill { None } else { num("token_delay_ms") },
+            retry_after: num("retry_after"),
         }
     }
 }
@@ -444,7 +448,13 @@ async fn inference(
     if let Some(status) = faults.status {
         let status = u16::try_from(status).unwrap_or(500);
         let message = format!("mock {} failure {status}", role.as_str());
-        return Ok(endpoint_error_response(endpoint, status, &message));
+        let mut response = endpoint_error_response(endpoint, status, &message);
+        if let Some(seconds) = faults.retry_after {
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        return Ok(response);
     }
     if faults.reset {
         // Returning an error makes hyper close the connection without writing anything.

@@ -103,6 +103,20 @@ pub enum PrefillAnswer<'a> {
     Failed(PrefillFailure),
 }
 
+impl PrefillAnswer<'_> {
+    /// The answer with prefill's `retry-after` (whole seconds; a rate limiter in front of
+    /// prefill, say) kept on its failure, so that the client waits as advised.
+    pub fn with_retry_after(mut self, retry_after: Option<&str>) -> Self {
+        if let PrefillAnswer::Failed(failure) = &mut self {
+            let seconds = retry_after.and_then(|value| value.trim().parse::<u32>().ok());
+            if seconds.is_some() {
+                failure.error.retry_after_seconds = seconds;
+            }
+        }
+        self
+    }
+}
+
 /// Reads the prefill answer. `status` is `None` when the callout ended without response
 /// headers (the connection was reset after the answer had started).
 pub fn read_prefill_answer(status: Option<u16>, body: &[u8]) -> PrefillAnswer<'_> {
@@ -377,6 +391,26 @@ mod tests {
         assert!(!failure(Some(500), b"").is_retryable());
         assert!(!failure(Some(429), b"").is_retryable());
         assert!(failure(Some(429), b"").is_client_error());
+    }
+
+    #[test]
+    fn prefills_retry_after_stays_on_its_failure() {
+        let seconds = |status, retry_after| match read_prefill_answer(status, b"")
+            .with_retry_after(retry_after)
+        {
+            PrefillAnswer::Failed(failure) => failure.error.retry_after_seconds,
+            _ => None,
+        };
+        assert_eq!(seconds(Some(429), Some("3")), Some(3));
+        assert_eq!(seconds(Some(503), Some(" 20 ")), Some(20));
+        // An HTTP date, or nonsense, is not passed on.
+        assert_eq!(
+            seconds(Some(503), Some("Wed, 21 Oct 2026 07:28:00 GMT")),
+            None
+        );
+        assert_eq!(seconds(Some(503), Some("-1")), None);
+        assert_eq!(seconds(Some(503), None), None);
+        assert_eq!(seconds(None, Some("3")), Some(3));
     }
 
     #[test]

@@ -3,6 +3,33 @@
 use super::*;
 use serde_json::Value;
 
+/// Prefill's answer with no headers of note, as most tests give it.
+trait AnsweredByPrefill {
+    fn on_prefill_answer(
+        &mut self,
+        token: u32,
+        status: Option<u16>,
+        body: &[u8],
+        now: SystemTime,
+    ) -> Vec<Command>;
+}
+
+impl AnsweredByPrefill for Session {
+    fn on_prefill_answer(
+        &mut self,
+        token: u32,
+        status: Option<u16>,
+        body: &[u8],
+        now: SystemTime,
+    ) -> Vec<Command> {
+        let head = PrefillHead {
+            status,
+            retry_after: None,
+        };
+        self.on_prefill_response(token, head, body, now)
+    }
+}
+
 const T0: Duration = Duration::from_secs(1_000);
 const KV: &str = r#"{"remote_engine_id":"e","remote_block_ids":[1],"remote_host":"127.0.0.1","remote_port":5600}"#;
 
@@ -1869,4 +1896,34 @@ fn a_client_that_left_too_many_prefills_running_is_refused_until_they_end() {
     s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
     s.on_prefill_dispatched(Some(1), at(0));
     assert!(!s.wants_address_on_leaving());
+}
+
+#[test]
+fn prefills_advice_to_wait_reaches_the_client() {
+    // A rate limiter (or a gateway) in front of prefill says how long to wait: the client's
+    // SDK waits as long before it tries again.
+    let retry_after = |commands: &[Command]| {
+        commands.iter().find_map(|c| match c {
+            Command::SendReply(r) => r
+                .headers
+                .iter()
+                .find(|(name, _)| name == "retry-after")
+                .map(|(_, value)| value.clone()),
+            _ => None,
+        })
+    };
+    let limited = br#"{"error":{"message":"slow down","type":"RateLimitError","code":429}}"#;
+    for (config, status, answer) in [
+        ("", 429, &limited[..]),
+        (r#"{"prefill_retries":0}"#, 503, b"busy"),
+    ] {
+        let mut s = prefilling(config);
+        let head = PrefillHead {
+            status: Some(status),
+            retry_after: Some("3"),
+        };
+        let commands = s.on_prefill_response(1, head, answer, at(5));
+        assert_eq!(reply(&commands).0, status);
+        assert_eq!(retry_after(&commands).as_deref(), Some("3"), "{status}");
+    }
 }
