@@ -78,6 +78,18 @@ def main(base_url):
         completed,
     )
 
+    # The SDK's streaming helper checks vLLM's order of events (created first, items opened
+    # before their deltas) and builds the final response from them.
+    with client.responses.stream(model="m", input=PROMPT, max_output_tokens=5) as stream:
+        streamed = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    check("responses stream helper", final.output_text == streamed, (streamed, final))
+    check(
+        "responses stream helper usage",
+        final.usage.input_tokens_details.cached_tokens == PREFILL_CACHED,
+        final.usage,
+    )
+
     errors = [
         ("prefill 400", "mock:prefill_status=400", openai.BadRequestError),
         ("prefill 429", "mock:prefill_status=429", openai.RateLimitError),

@@ -660,6 +660,9 @@ impl Answer {
     pub(crate) fn events(&self, include_usage: bool) -> Vec<String> {
         let data = |v: Value| format!("data: {v}\n\n");
         let event = |kind: &str, v: Value| format!("event: {kind}\ndata: {v}\n\n");
+        if self.endpoint == Endpoint::Responses {
+            return self.response_events();
+        }
         let last = self.tokens.len().saturating_sub(1);
         let mut events = Vec::new();
         if self.endpoint == Endpoint::Cohere {
@@ -703,10 +706,7 @@ impl Answer {
                             "choices": [{"index": c, "delta": delta, "logprobs": null,
                                 "finish_reason": finish}]}))
                     }
-                    Endpoint::Responses => format!(
-                        "event: response.output_text.delta\ndata: {}\n\n",
-                        json!({"type": "response.output_text.delta", "delta": token})
-                    ),
+                    Endpoint::Responses => unreachable!("streamed by response_events"),
                     Endpoint::Messages => event(
                         "content_block_delta",
                         json!({"type": "content_block_delta", "index": 0,
@@ -721,17 +721,6 @@ impl Answer {
             }
         }
         match self.endpoint {
-            Endpoint::Responses => {
-                let last = if self.incomplete() {
-                    "response.incomplete"
-                } else {
-                    "response.completed"
-                };
-                events.push(format!(
-                    "event: {last}\ndata: {}\n\n",
-                    json!({"type": last, "response": self.object()})
-                ))
-            }
             Endpoint::Messages => {
                 events.push(event(
                     "content_block_stop",
@@ -770,6 +759,81 @@ impl Answer {
     }
 }
 
+impl Answer {
+    /// A responses stream in vLLM's sequence of events, each numbered: the response
+    /// created and in progress (no usage yet), its message item and text part opened, the
+    /// text deltas, everything closed again, and the whole response last
+    /// (`response.completed`, or `response.incomplete` where vLLM 0.33 stopped at the limit).
+    fn response_events(&self) -> Vec<String> {
+        let text = self.tokens.concat();
+        let item_id = format!("msg-{}", self.id);
+        let mut started = self.object();
+        started["status"] = json!("in_progress");
+        started["output"] = json!([]);
+        started["usage"] = Value::Null;
+        let part = |text: &str| json!({"type": "output_text", "text": text, "annotations": []});
+        let item = |status: &str, content: Value| {
+            json!({"type": "message", "id": item_id, "status": status, "role": "assistant",
+                "content": content})
+        };
+        let at_text = json!({"item_id": item_id, "output_index": 0, "content_index": 0});
+        let with = |base: &Value, more: Value| {
+            let mut merged = base.clone();
+            if let (Some(merged), Some(more)) = (merged.as_object_mut(), more.as_object()) {
+                merged.extend(more.clone());
+            }
+            merged
+        };
+        let last = if self.incomplete() {
+            "response.incomplete"
+        } else {
+            "response.completed"
+        };
+        let mut bodies = vec![
+            ("response.created", json!({"response": started})),
+            ("response.in_progress", json!({"response": started})),
+            (
+                "response.output_item.added",
+                json!({"output_index": 0, "item": item("in_progress", json!([]))}),
+            ),
+            (
+                "response.content_part.added",
+                with(&at_text, json!({"part": part("")})),
+            ),
+        ];
+        for token in &self.tokens {
+            let delta = json!({"delta": token, "logprobs": []});
+            bodies.push(("response.output_text.delta", with(&at_text, delta)));
+        }
+        bodies.extend([
+            (
+                "response.output_text.done",
+                with(&at_text, json!({"text": text, "logprobs": []})),
+            ),
+            (
+                "response.content_part.done",
+                with(&at_text, json!({"part": part(&text)})),
+            ),
+            (
+                "response.output_item.done",
+                json!({"output_index": 0, "item": item("completed", json!([part(&text)]))}),
+            ),
+            (last, json!({"response": self.object()})),
+        ]);
+        bodies
+            .into_iter()
+            .enumerate()
+            .map(|(sequence_number, (kind, body))| {
+                let data = with(
+                    &json!({"type": kind, "sequence_number": sequence_number}),
+                    body,
+                );
+                format!("event: {kind}\ndata: {data}\n\n")
+            })
+            .collect()
+    }
+}
+
 /// Decode side: how the KV cache of a request would be obtained.
 pub(crate) fn kv_outcome(
     kv: Option<&Value>,
@@ -802,6 +866,20 @@ pub(crate) fn kv_outcome(
 pub(crate) fn endpoint_error_body(endpoint: Endpoint, status: u16, message: &str) -> Value {
     match endpoint {
         Endpoint::Cohere => json!({"message": message}),
+        // vLLM's Messages API answers its handler's errors in Anthropic's shape.
+        Endpoint::Messages => {
+            let kind = match status {
+                401 => "authentication_error",
+                403 => "permission_error",
+                404 => "not_found_error",
+                413 => "request_too_large",
+                429 => "rate_limit_error",
+                503 => "overloaded_error",
+                500..=599 => "api_error",
+                _ => "invalid_request_error",
+            };
+            json!({"type": "error", "error": {"type": kind, "message": message}})
+        }
         _ => error_body(status, message),
     }
 }

@@ -393,8 +393,8 @@ async fn messages_prefill_faults_and_errors() {
     assert_eq!(reply.status, 400);
     assert_eq!(
         reply.json(),
-        json!({"error": {"message": "max_tokens is required", "type": "BadRequestError",
-            "param": null, "code": 400}})
+        json!({"type": "error", "error": {"type": "invalid_request_error",
+            "message": "max_tokens is required"}})
     );
     missing["max_tokens"] = json!(0);
     let reply = post(p.port(), "/v1/messages", &missing, None).await;
@@ -408,7 +408,7 @@ async fn messages_prefill_faults_and_errors() {
         "messages": [{"role": "user", "content": "mock:prefill_status=503"}]});
     let reply = post(p.port(), "/v1/messages", &failing, None).await;
     assert_eq!(reply.status, 503);
-    assert_eq!(reply.json()["error"]["code"], 503);
+    assert_eq!(reply.json()["error"]["type"], "overloaded_error");
 
     let cut = json!({"model": "m", "max_tokens": 5, "stream": true,
         "messages": [{"role": "user", "content": "mock:decode_reset_mid_stream"}]});
