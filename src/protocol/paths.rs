@@ -174,17 +174,18 @@ mod tests {
             "/v1/%6d%65ssages",
             "/../v1/completions",
         ] {
-            match classify(path) {
-                PathVerdict::Refuse(error) => {
-                    assert_eq!(error.status, 400);
-                    assert!(
-                        error.message.contains("written plainly"),
-                        "{}",
-                        error.message
-                    );
-                }
-                other => panic!("{path}: {other:?}"),
+            assert_refused(path, "written plainly");
+        }
+    }
+
+    /// `path` is refused with a 400 whose message says `why`.
+    fn assert_refused(path: &str, why: &str) {
+        match classify(path) {
+            PathVerdict::Refuse(error) => {
+                assert_eq!(error.status, 400, "{path}");
+                assert!(error.message.contains(why), "{path}: {}", error.message);
             }
+            other => panic!("{path}: {other:?}"),
         }
     }
 
@@ -204,17 +205,7 @@ mod tests {
             "/inference/v1/abort_requests%7F",
             "/%09",
         ] {
-            match classify(path) {
-                PathVerdict::Refuse(error) => {
-                    assert_eq!(error.status, 400, "{path}");
-                    assert!(
-                        error.message.contains("control character"),
-                        "{}",
-                        error.message
-                    );
-                }
-                other => panic!("{path}: {other:?}"),
-            }
+            assert_refused(path, "control character");
         }
     }
 
