@@ -32,9 +32,15 @@ pub struct Retry {
     attempts: u32,
 }
 
-/// Attempts a release gets in all; the waits before the second and third.
-pub const RELEASE_ATTEMPTS: u32 = 3;
-const RETRY_AFTER: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(4)];
+/// Attempts a release gets in all; the waits before the second and later ones, 30 s in all:
+/// vLLM 0.33 frees prefill's blocks itself after a 30 s lease.
+pub const RELEASE_ATTEMPTS: u32 = 5;
+const RETRY_AFTER: [Duration; 4] = [
+    Duration::from_secs(1),
+    Duration::from_secs(4),
+    Duration::from_secs(10),
+    Duration::from_secs(15),
+];
 /// A release body larger than this is not kept to be sent again.
 const RETRY_MAX_BODY: usize = 4096;
 /// Releases that may wait for a slot, per release that may be in flight: a burst of clients
@@ -122,18 +128,28 @@ impl<R> Callouts<R> {
     }
 
     /// The release whose slot was taken went out with `token`, or (`None`) could not; it
-    /// was attempt number `attempts` (from 1) of `call`.
-    pub fn release_sent(&mut self, token: Option<u32>, call: &HttpCall, attempts: u32) {
+    /// was attempt number `attempts` (from 1) of `call`. One Envoy refused at once (a full
+    /// decode pool, no healthy host) is returned, to be sent again while attempts are left.
+    pub fn release_sent(
+        &mut self,
+        token: Option<u32>,
+        call: &HttpCall,
+        attempts: u32,
+    ) -> Option<Retry> {
+        let retry =
+            (attempts < RELEASE_ATTEMPTS && call.body.len() <= RETRY_MAX_BODY).then(|| Retry {
+                call: call.clone(),
+                attempts,
+            });
         match token {
             Some(token) => {
-                let retry = (attempts < RELEASE_ATTEMPTS && call.body.len() <= RETRY_MAX_BODY)
-                    .then(|| Retry {
-                        call: call.clone(),
-                        attempts,
-                    });
                 self.calls.insert(token, Caller::Release(retry));
+                None
             }
-            None => self.releases.finish(),
+            None => {
+                self.releases.finish();
+                retry
+            }
         }
     }
 
@@ -234,11 +250,17 @@ mod tests {
         assert!(!callouts.start_release(), "the bound is reached");
         assert!(matches!(callouts.answered(3), Some(Caller::Release(_))));
         assert!(callouts.start_release(), "the slot came back");
-        callouts.release_sent(None, &call(), 1);
+        assert!(
+            callouts.release_sent(None, &call(), 1).is_some(),
+            "one Envoy refused at once is sent again"
+        );
         assert!(
             callouts.start_release(),
             "a release that never went out frees its slot"
         );
+        assert!(callouts
+            .release_sent(None, &call(), RELEASE_ATTEMPTS)
+            .is_none());
     }
 
     #[test]
@@ -291,7 +313,7 @@ mod tests {
             };
             assert!(callouts.retry_later(retry, now));
             assert!(callouts.due_retries(now).is_empty(), "not yet");
-            now += Duration::from_secs(5);
+            now += Duration::from_secs(15);
             let due = callouts.due_retries(now);
             assert_eq!(due.len(), 1);
             attempts = due[0].1;

@@ -306,17 +306,23 @@ impl Worker {
     /// Sends a release whose slot is taken.
     fn send_release(&self, call: &HttpCall, attempts: u32) {
         let token = self.dispatch(call);
-        self.callouts
+        let retry = self
+            .callouts
             .borrow_mut()
             .release_sent(token, call, attempts);
         if token.is_none() {
-            // Most often a decode_cluster this Envoy does not have: every release fails alike.
+            // Envoy refused it at once: decode's pool is full or has no healthy host (for the
+            // release as for the request it follows), or the cluster does not exist.
             log::warn!(
-                "KV release could not be sent to cluster {:?}; is it defined in Envoy \
-                 (decode_cluster, model_decode_clusters)?",
+                "KV release could not be sent to cluster {:?} (attempt {attempts}): a full \
+                 pool, no healthy host, or no such cluster in Envoy (decode_cluster, \
+                 model_decode_clusters)",
                 call.cluster
             );
-            self.record(Metric::KvReleaseFailed);
+            match retry {
+                Some(retry) => self.release_unreached(retry),
+                None => self.record(Metric::KvReleaseFailed),
+            }
         }
     }
 
