@@ -1562,7 +1562,13 @@ impl Session {
         if !self.request_id.is_empty() {
             headers.push(("x-request-id".to_owned(), self.request_id.clone()));
         }
-        if let Some(seconds) = error.retry_after_seconds {
+        // A 503 is worth trying again shortly (prefill's pool full or unreachable, the VM's
+        // budget spent): clients that read retry-after wait a second rather than their own
+        // backoff, unless prefill said how long.
+        let retry_after = error
+            .retry_after_seconds
+            .or((error.status == 503).then_some(1));
+        if let Some(seconds) = retry_after {
             headers.push(("retry-after".to_owned(), seconds.to_string()));
         }
         Command::SendReply(LocalReply {

@@ -1927,3 +1927,23 @@ fn prefills_advice_to_wait_reaches_the_client() {
         assert_eq!(retry_after(&commands).as_deref(), Some("3"), "{status}");
     }
 }
+
+#[test]
+fn the_filters_503s_say_when_to_try_again() {
+    // Prefill could not be called (its pool full, no healthy host, no such cluster).
+    let mut s = session(r#"{"prefill_retries":0}"#);
+    send(
+        &mut s,
+        &post("/v1/completions"),
+        r#"{"prompt":"x","max_tokens":5}"#,
+    );
+    let commands = s.on_prefill_dispatched(None, at(0));
+    let has_retry_after = |commands: &[Command]| {
+        commands.iter().any(|c| {
+            matches!(c, Command::SendReply(r)
+                if r.status == 503
+                    && r.headers.contains(&("retry-after".to_owned(), "1".to_owned())))
+        })
+    };
+    assert!(has_retry_after(&commands), "{commands:?}");
+}
