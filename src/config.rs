@@ -72,6 +72,7 @@ struct RawConfig {
     max_kv_releases_in_flight: u32,
     kv_release_timeout_ms: u64,
     max_abandoned_prefills_per_client: u32,
+    max_log_lines_per_second: u32,
 }
 
 impl Default for RawConfig {
@@ -116,6 +117,7 @@ impl Default for RawConfig {
             max_kv_releases_in_flight: 64,
             kv_release_timeout_ms: 30_000,
             max_abandoned_prefills_per_client: 32,
+            max_log_lines_per_second: crate::log_budget::LINES_PER_SECOND,
         }
     }
 }
@@ -215,6 +217,8 @@ pub struct Config {
     /// Prefill calls still running after their client left, per client address and Envoy
     /// worker, past which the client's new requests are refused (429); 0: no limit.
     pub max_abandoned_prefills_per_client: u32,
+    /// Lines at info level and above one Envoy worker writes per second; 0: no limit.
+    pub max_log_lines_per_second: u32,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -394,6 +398,7 @@ impl Config {
             max_kv_releases_in_flight: raw.max_kv_releases_in_flight,
             kv_release_timeout: Duration::from_millis(raw.kv_release_timeout_ms),
             max_abandoned_prefills_per_client: raw.max_abandoned_prefills_per_client,
+            max_log_lines_per_second: raw.max_log_lines_per_second,
         })
     }
 
@@ -473,6 +478,7 @@ const SHAPES: &[(&str, Shape)] = &[
         "max_abandoned_prefills_per_client",
         Shape::Count(u32::MAX as u64),
     ),
+    ("max_log_lines_per_second", Shape::Count(u32::MAX as u64)),
 ];
 
 /// Says, naming the key, what is wrong with a value of the wrong kind, in words a user reads

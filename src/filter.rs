@@ -34,6 +34,7 @@ use crate::config::Config;
 use crate::headers::HeaderLookup;
 use crate::held_bytes::HeldBytes;
 use crate::host;
+use crate::logger;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
 use crate::session::{
@@ -43,7 +44,7 @@ use crate::session::{
 use crate::stats::Stats;
 
 proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Info);
+    logger::install(LogLevel::Info);
     proxy_wasm::set_root_context(|root_id| -> Box<dyn RootContext> {
         Box::new(PdRoot {
             config: None,
@@ -586,7 +587,7 @@ impl RootContext for PdRoot {
             host::buffer(BufferType::PluginConfiguration, 0, usize::MAX).unwrap_or_default();
         // Follow Envoy's level, so that debug lines cost nothing per request unless asked for.
         if let Some(level) = host::log_level().ok().and_then(log_level) {
-            proxy_wasm::set_log_level(level);
+            logger::set_level(level);
         }
         let _ = self.worker.stats.get_or_init(Stats::define);
         if self.worker.queue.get().is_none() {
@@ -601,6 +602,7 @@ impl RootContext for PdRoot {
         }
         match Config::from_json(&bytes) {
             Ok(config) => {
+                logger::set_lines_per_second(config.max_log_lines_per_second);
                 let summary = format!(
                     "pd-filter configured: prefill cluster {:?}, {} paths, prefill timeout {:?}",
                     config.prefill_cluster,

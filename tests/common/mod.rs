@@ -140,6 +140,8 @@ pub const LISTENERS: &[Listener] = &[
         "abandon_limit",
         r#"{"max_abandoned_prefills_per_client":2}"#,
     ),
+    // Two log lines a second per worker (tests/observability.rs); the others write all.
+    plain("quiet_log", r#"{"max_log_lines_per_second":2}"#),
     // Room in each VM for about two requests' prompt logprobs (tests/security.rs).
     plain(
         "small_vm_budget",
@@ -788,7 +790,16 @@ fn routes_yaml(route: DecodeRoute) -> String {
 }
 
 fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
-    let plugin_config = serde_json::to_string(listener.plugin_config).expect("json string");
+    // Tests read the filter's log lines per request: none is dropped for the rate.
+    let mut config: serde_json::Value = if listener.plugin_config.is_empty() {
+        serde_json::json!({})
+    } else {
+        serde_json::from_str(listener.plugin_config).expect("plugin configuration is JSON")
+    };
+    if config.get("max_log_lines_per_second").is_none() {
+        config["max_log_lines_per_second"] = serde_json::json!(0);
+    }
+    let plugin_config = serde_json::to_string(&config.to_string()).expect("json string");
     format!(
         r#"  - name: {name}
     address:

@@ -1,0 +1,91 @@
+//! How many lines a worker writes to Envoy's log: under overload every refused request has
+//! a line to log, and Envoy would write tens of MB a minute. Each second takes a bounded
+//! number; the rest are counted and the count is written with the next line let through.
+
+/// Lines a worker writes per second, at most, by default (`max_log_lines_per_second`).
+pub const LINES_PER_SECOND: u32 = 20;
+
+/// The lines of the current second, and those not written since the last one that was.
+#[derive(Debug)]
+pub struct LogBudget {
+    per_second: u32,
+    second: u64,
+    written: u32,
+    not_written: u64,
+}
+
+/// Whether a line goes to the log.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Write it; `not_written_before` lines were dropped since the last one written.
+    Write {
+        not_written_before: u64,
+    },
+    Drop,
+}
+
+impl LogBudget {
+    /// At most `per_second` lines a second; 0: every line.
+    pub const fn new(per_second: u32) -> LogBudget {
+        LogBudget {
+            per_second,
+            second: 0,
+            written: 0,
+            not_written: 0,
+        }
+    }
+
+    /// A line at `second` (since the epoch) asks to be written.
+    pub fn admit(&mut self, second: u64) -> Admission {
+        if second != self.second {
+            self.second = second;
+            self.written = 0;
+        }
+        if self.per_second > 0 && self.written >= self.per_second {
+            self.not_written = self.not_written.saturating_add(1);
+            return Admission::Drop;
+        }
+        self.written = self.written.saturating_add(1);
+        Admission::Write {
+            not_written_before: std::mem::take(&mut self.not_written),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_second_writes_a_bounded_number_and_counts_the_rest() {
+        let mut budget = LogBudget::new(2);
+        let written = Admission::Write {
+            not_written_before: 0,
+        };
+        assert_eq!(budget.admit(10), written);
+        assert_eq!(budget.admit(10), written);
+        assert_eq!(budget.admit(10), Admission::Drop);
+        assert_eq!(budget.admit(10), Admission::Drop);
+        // The next second's first line says how many were dropped.
+        assert_eq!(
+            budget.admit(11),
+            Admission::Write {
+                not_written_before: 2
+            }
+        );
+        assert_eq!(budget.admit(11), written);
+        assert_eq!(budget.admit(11), Admission::Drop);
+        // Much later: the count still comes with the next line written.
+        assert_eq!(
+            budget.admit(500),
+            Admission::Write {
+                not_written_before: 1
+            }
+        );
+        // No limit.
+        let mut unlimited = LogBudget::new(0);
+        for _ in 0..1000 {
+            assert_eq!(unlimited.admit(7), written);
+        }
+    }
+}

@@ -1,0 +1,97 @@
+//! The filter's `log` backend: lines go to Envoy's log, at most `max_log_lines_per_second` a
+//! second per worker at info and above (debug and trace, off unless Envoy's level asks for
+//! them, are not counted).
+
+use std::cell::RefCell;
+use std::time::UNIX_EPOCH;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::LogLevel;
+
+use crate::host;
+use crate::log_budget::{Admission, LogBudget, LINES_PER_SECOND};
+
+struct HostLogger;
+
+static LOGGER: HostLogger = HostLogger;
+
+thread_local! {
+    static BUDGET: RefCell<LogBudget> = const { RefCell::new(LogBudget::new(LINES_PER_SECOND)) };
+}
+
+/// Makes this the `log` backend, at `level`, and panics (which would end the VM) logged.
+pub fn install(level: LogLevel) {
+    // Only the first call can succeed; a later one changes nothing.
+    let _ = log::set_logger(&LOGGER);
+    std::panic::set_hook(Box::new(|panic| {
+        let _ = hostcalls::log(LogLevel::Critical, &panic.to_string());
+    }));
+    set_level(level);
+}
+
+/// At most `per_second` lines a second at info and above; 0: every line.
+pub fn set_lines_per_second(per_second: u32) {
+    BUDGET.with(|budget| {
+        if let Ok(mut budget) = budget.try_borrow_mut() {
+            *budget = LogBudget::new(per_second);
+        }
+    });
+}
+
+/// Lines below `level` are not even formatted.
+pub fn set_level(level: LogLevel) {
+    log::set_max_level(match level {
+        LogLevel::Trace => log::LevelFilter::Trace,
+        LogLevel::Debug => log::LevelFilter::Debug,
+        LogLevel::Info => log::LevelFilter::Info,
+        LogLevel::Warn => log::LevelFilter::Warn,
+        LogLevel::Error => log::LevelFilter::Error,
+        LogLevel::Critical => log::LevelFilter::Off,
+    });
+}
+
+impl log::Log for HostLogger {
+    fn enabled(&self, metadata: &log::Metadata) -> bool {
+        metadata.level() <= log::max_level()
+    }
+
+    fn log(&self, record: &log::Record) {
+        if !self.enabled(record.metadata()) {
+            return;
+        }
+        let level = match record.level() {
+            log::Level::Trace => LogLevel::Trace,
+            log::Level::Debug => LogLevel::Debug,
+            log::Level::Info => LogLevel::Info,
+            log::Level::Warn => LogLevel::Warn,
+            log::Level::Error => LogLevel::Error,
+        };
+        if record.level() <= log::Level::Info {
+            let second = host::now()
+                .ok()
+                .and_then(|now| now.duration_since(UNIX_EPOCH).ok())
+                .map_or(0, |since| since.as_secs());
+            let admission = BUDGET.with(|budget| {
+                budget
+                    .try_borrow_mut()
+                    .map_or(Admission::Drop, |mut budget| budget.admit(second))
+            });
+            match admission {
+                Admission::Drop => return,
+                Admission::Write { not_written_before } if not_written_before > 0 => {
+                    let _ = hostcalls::log(
+                        LogLevel::Warn,
+                        &format!(
+                            "pd-filter: {not_written_before} log lines not written \
+                             (max_log_lines_per_second)"
+                        ),
+                    );
+                }
+                Admission::Write { .. } => {}
+            }
+        }
+        let _ = hostcalls::log(level, &record.args().to_string());
+    }
+
+    fn flush(&self) {}
+}
