@@ -1283,6 +1283,18 @@ fn hardening_errors(config: &Value) -> Vec<String> {
         if let Some(problem) = operator_endpoints_problem(hcm) {
             error(problem);
         }
+        let retry_after_503 = hcm["local_reply_config"]["mappers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|mapper| {
+                mapper["filter"]["status_code_filter"]["comparison"]["value"]["default_value"]
+                    == 503
+                    && mapper["headers_to_add"][0]["header"]["key"] == "retry-after"
+            });
+        if !retry_after_503 {
+            error("Envoy's own 503s carry no retry-after".to_owned());
+        }
 
         let filters = wasm_filters(hcm);
         // Every cluster the filter calls is one of this Envoy's: a missing prefill cluster
@@ -2292,6 +2304,21 @@ fn envoy_yaml_keeps_vllms_operator_endpoints_from_clients_in_envoy() {
     // Beside them, the APIs still reach decode.
     let reply = raw_post(envoy.port, "/v1/completions", &[], COMPLETION_BODY);
     assert_eq!(reply.status, 200, "{}", reply.body);
+}
+
+/// envoy/envoy.yaml as shipped answers with its own 503 when decode cannot be reached, as
+/// OpenAI JSON with `retry-after: 1`, as the filter's own 503s.
+#[test]
+fn envoy_yaml_says_when_to_retry_its_own_503_in_envoy() {
+    let (runtime, _prefill, decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-503");
+    // Decode goes away: its port refuses connections.
+    runtime.block_on(async move { drop(decode) });
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    for (target, body) in [("/v1/models", ""), ("/v1/completions", COMPLETION_BODY)] {
+        let reply = raw_post(envoy.port, target, &[], body);
+        openai_error(&reply, 503).unwrap_or_else(|e| panic!("{target}: {e}"));
+        assert_eq!(reply.header("retry-after"), Some("1"), "{target}");
+    }
 }
 
 const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
