@@ -26,7 +26,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Status};
 
 use crate::abandoned::AbandonedPrefills;
 use crate::callouts::{Caller, Callouts, Job, Retry};
@@ -244,6 +244,12 @@ impl Worker {
     }
 
     fn dispatch(&self, call: &HttpCall) -> Option<u32> {
+        self.try_dispatch(call).ok()
+    }
+
+    /// Envoy answers `BadArgument` for a cluster it does not have, and `InternalFailure` for
+    /// a call it refused at once (the cluster's pool full, no healthy host).
+    fn try_dispatch(&self, call: &HttpCall) -> Result<u32, Status> {
         hostcalls::dispatch_http_call(
             &call.cluster,
             as_pairs(&call.headers),
@@ -251,8 +257,7 @@ impl Worker {
             vec![],
             call.timeout,
         )
-        .map_err(|status| log::debug!("dispatch_http_call to {:?}: {status:?}", call.cluster))
-        .ok()
+        .inspect_err(|status| log::debug!("dispatch_http_call to {:?}: {status:?}", call.cluster))
     }
 
     fn dispatch_prefill(&self, request: &Rc<Request>, call: &HttpCall, context: In, clock: &Clock) {
@@ -292,39 +297,55 @@ impl Worker {
             }
             return;
         }
-        self.send_release(call, attempts);
+        let _ = self.send_release(call, attempts);
     }
 
-    /// Sends the releases that waited for the slots now free.
+    /// Sends the releases that waited for the slots now free. One Envoy refuses at once
+    /// stops the round once retries wait: the next would be refused alike, and the root's
+    /// tick sends them later.
     fn send_waiting_releases(&self) {
         loop {
             let next = self.callouts.borrow_mut().next_waiting_release();
             let Some((call, attempts)) = next else { break };
-            self.send_release(&call, attempts);
+            if !self.send_release(&call, attempts) && self.ticking.get() {
+                break;
+            }
         }
     }
 
-    /// Sends a release whose slot is taken.
-    fn send_release(&self, call: &HttpCall, attempts: u32) {
-        let token = self.dispatch(call);
+    /// Sends a release whose slot is taken; whether it went out.
+    fn send_release(&self, call: &HttpCall, attempts: u32) -> bool {
+        let sent = self.try_dispatch(call);
         let retry = self
             .callouts
             .borrow_mut()
-            .release_sent(token, call, attempts);
-        if token.is_none() {
-            // Envoy refused it at once: decode's pool is full or has no healthy host (for the
-            // release as for the request it follows), or the cluster does not exist.
-            log::warn!(
-                "KV release could not be sent to cluster {:?} (attempt {attempts}): a full \
-                 pool, no healthy host, or no such cluster in Envoy (decode_cluster, \
-                 model_decode_clusters)",
-                call.cluster
-            );
-            match retry {
-                Some(retry) => self.release_unreached(retry),
-                None => self.record(Metric::KvReleaseFailed),
+            .release_sent(sent.ok(), call, attempts);
+        match sent {
+            Ok(_) => return true,
+            Err(Status::BadArgument) => {
+                // Every release to this cluster fails alike.
+                log::warn!(
+                    "KV release could not be sent to cluster {:?}: Envoy has no such cluster \
+                     (decode_cluster, model_decode_clusters)",
+                    call.cluster
+                );
+                self.record(Metric::KvReleaseFailed);
+            }
+            Err(_) => {
+                // Refused at once: decode's pool is full or has no healthy host, for the
+                // release as for the request it follows.
+                log::warn!(
+                    "KV release to cluster {:?} refused by Envoy at once (attempt {attempts}): \
+                     its pool is full or has no healthy host",
+                    call.cluster
+                );
+                match retry {
+                    Some(retry) => self.release_unreached(retry),
+                    None => self.record(Metric::KvReleaseFailed),
+                }
             }
         }
+        false
     }
 
     /// A release decode could not be reached for waits to be sent again: the root ticks
@@ -337,6 +358,7 @@ impl Worker {
         }
         if !self.ticking.replace(true) {
             if let Err(status) = host::set_tick_period(RETRY_TICK) {
+                self.ticking.set(false);
                 log::warn!("no tick for KV release retries: status {status}");
             }
         }
@@ -349,6 +371,8 @@ impl Worker {
         for (call, attempts) in due {
             self.dispatch_release(&call, attempts);
         }
+        // Those that stopped waiting for a slot when Envoy refused one at once.
+        self.send_waiting_releases();
         if !self.callouts.borrow().retries_waiting() && self.ticking.replace(false) {
             let _ = host::set_tick_period(Duration::ZERO);
         }

@@ -66,11 +66,12 @@ impl log::Log for HostLogger {
             log::Level::Warn => LogLevel::Warn,
             log::Level::Error => LogLevel::Error,
         };
-        if record.level() <= log::Level::Info {
-            let second = host::now()
-                .ok()
-                .and_then(|now| now.duration_since(UNIX_EPOCH).ok())
-                .map_or(0, |since| since.as_secs());
+        // Without the host's clock a line cannot be counted against a second: it is written.
+        let second = host::now()
+            .ok()
+            .and_then(|now| now.duration_since(UNIX_EPOCH).ok())
+            .map(|since| since.as_secs());
+        if let (true, Some(second)) = (record.level() <= log::Level::Info, second) {
             let admission = BUDGET.with(|budget| {
                 budget
                     .try_borrow_mut()

@@ -303,35 +303,6 @@ async fn a_release_decode_could_not_take_is_sent_again_once_decode_is_back() {
 }
 
 #[tokio::test]
-async fn a_release_envoy_refuses_at_once_for_a_full_decode_pool_is_sent_again() {
-    let _serial = SERIAL.lock().await;
-    let h = harness();
-    // One slow request fills decode's pool of one for 2.5 s.
-    let busy = unique_id("narrow-busy");
-    let busy_request = tokio::spawn(
-        post(
-            "narrow_decode",
-            &busy,
-            "hold the pool mock:decode_delay_ms=2500",
-        )
-        .send(),
-    );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while h.decode_requests(&busy).is_empty() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(h.decode_requests(&busy).len(), 1, "the pool is taken");
-    // Prefill serves the next request; Envoy refuses it decode at once (overflow), and its
-    // KV release the same way until the pool is free again.
-    let id = unique_id("narrow-refused");
-    let reply = post("narrow_decode", &id, "no room at decode").send().await;
-    assert_eq!(reply.status, 503, "{}", reply.body);
-    assert_eq!(h.prefill_requests(&id).len(), 1);
-    assert_eq!(busy_request.await.expect("the busy request").status, 200);
-    assert_released_once(&id).await;
-}
-
-#[tokio::test]
 async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
     let _serial = SERIAL.lock().await;
     let id = unique_id("decode-refuses");

@@ -410,7 +410,6 @@ mod tests {
         );
         assert_eq!(seconds(Some(503), Some("-1")), None);
         assert_eq!(seconds(Some(503), None), None);
-        assert_eq!(seconds(None, Some("3")), Some(3));
     }
 
     #[test]

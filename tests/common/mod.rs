@@ -42,9 +42,6 @@ pub enum DecodeRoute {
     /// To the mock decode through a cluster of the listener's own, whose stats count only
     /// that listener's decode streams.
     Counted(&'static str),
-    /// To the mock decode through `decode_narrow`, whose circuit breaker lets one request
-    /// in at a time: Envoy refuses the others at once.
-    Narrow,
 }
 
 pub struct Listener {
@@ -173,11 +170,6 @@ pub const LISTENERS: &[Listener] = &[
     Listener {
         decode_route: DecodeRoute::Blackholed,
         ..plain("decode_blackholed", "")
-    },
-    // Decode's pool takes one request at a time, KV releases included (tests/kv_release.rs).
-    Listener {
-        decode_route: DecodeRoute::Narrow,
-        ..plain("narrow_decode", r#"{"decode_cluster":"decode_narrow"}"#)
     },
 ];
 
@@ -667,7 +659,6 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         cluster_yaml("decode_held", "127.0.0.1", ports.decode),
         cluster_yaml("decode_late", "127.0.0.1", ports.late),
         cluster_yaml("decode_passed", "127.0.0.1", ports.decode),
-        narrow_cluster_yaml("decode_narrow", ports.decode),
         original_dst_cluster_yaml("prefill_original_dst", "x-envoy-original-dst-host"),
         original_dst_cluster_yaml("decode_picker", "x-gateway-destination-endpoint"),
     ]
@@ -701,17 +692,6 @@ fn cluster_yaml(name: &str, address: &str, port: u16) -> String {
             address:
               socket_address: {{ address: {address}, port_value: {port} }}
 "#
-    )
-}
-
-/// A cluster to `port` that takes one request at a time and queues none.
-fn narrow_cluster_yaml(name: &str, port: u16) -> String {
-    format!(
-        r#"{}    circuit_breakers:
-      thresholds:
-      - {{ max_connections: 1, max_pending_requests: 1, max_requests: 1 }}
-"#,
-        cluster_yaml(name, "127.0.0.1", port)
     )
 }
 
@@ -769,11 +749,6 @@ fn routes_yaml(route: DecodeRoute) -> String {
         DecodeRoute::Deaf => {
             r#"              - match: { prefix: "/" }
                 route: { cluster: decode_deaf, timeout: 0s }
-"#
-        }
-        DecodeRoute::Narrow => {
-            r#"              - match: { prefix: "/" }
-                route: { cluster: decode_narrow, timeout: 0s }
 "#
         }
         DecodeRoute::ByPickerHeader => {
