@@ -66,12 +66,14 @@ impl log::Log for HostLogger {
             log::Level::Warn => LogLevel::Warn,
             log::Level::Error => LogLevel::Error,
         };
-        // Without the host's clock a line cannot be counted against a second: it is written.
-        let second = host::now()
-            .ok()
+        // Only lines at info and above count; without the host's clock a line cannot be
+        // counted against a second, and is written.
+        let second = (record.level() <= log::Level::Info)
+            .then(host::now)
+            .and_then(Result::ok)
             .and_then(|now| now.duration_since(UNIX_EPOCH).ok())
             .map(|since| since.as_secs());
-        if let (true, Some(second)) = (record.level() <= log::Level::Info, second) {
+        if let Some(second) = second {
             let admission = BUDGET.with(|budget| {
                 budget
                     .try_borrow_mut()

@@ -183,7 +183,7 @@ pub enum HostFailure {
 }
 
 /// The headers of prefill's answer that matter.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct PrefillHead<'a> {
     /// `None` when the answer has no headers: the call was reset.
     pub status: Option<u16>,
