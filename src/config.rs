@@ -770,6 +770,19 @@ mod tests {
             ),
             (r#"{"prefill_retries":-1}"#, "prefill_retries must be a whole number, 0 or more"),
             (r#"{"prefill_retries":11}"#, "at most 10"),
+            // The per-worker bounds: a count, 0 turning them off.
+            (
+                r#"{"max_log_lines_per_second":-1}"#,
+                "max_log_lines_per_second must be a whole number, 0 or more",
+            ),
+            (
+                r#"{"max_log_lines_per_second":"20"}"#,
+                "max_log_lines_per_second must be a whole number",
+            ),
+            (
+                r#"{"max_abandoned_prefills_per_client":1.5}"#,
+                "max_abandoned_prefills_per_client must be a whole number",
+            ),
             (r#"{"on_prefill_failure":"retry"}"#, "one of fail, decode_only"),
             (
                 r#"{"replace_local_remote_host":true,"prefill_hosts_allowed":["10.0.0.1"]}"#,
