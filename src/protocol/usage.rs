@@ -13,10 +13,18 @@ pub struct PromptUsage {
     pub prompt_tokens: u64,
     /// Prefill's other members of the prompt's side of its usage, as it wrote them.
     members: Vec<(&'static str, Vec<u8>)>,
+}
+
+impl PromptUsage {
     /// Prefill counted prompt tokens it computed and wrote to its prefix cache (vLLM 0.33:
-    /// `created_cache_tokens`, `cache_write_tokens`, `cache_creation_input_tokens`). Decode,
-    /// which pulled them, counts about none.
-    wrote_cache: bool,
+    /// `created_cache_tokens`, `cache_write_tokens`, `cache_creation_input_tokens`), in its
+    /// usage or in a details object. Decode, which pulled them, counts about none.
+    fn wrote_cache(&self) -> bool {
+        self.members.iter().any(|(key, value)| {
+            let counted = CACHE_WRITES.contains(key) && as_count(value).is_some_and(|n| n > 0);
+            counted || JsonObject::parse(value).is_ok_and(|details| cache_writes(&details))
+        })
+    }
 }
 
 /// The names vLLM gives the count of prompt tokens written to the prefix cache: in a
@@ -83,17 +91,9 @@ pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
             Some((key, value.to_vec()))
         })
         .collect();
-    let wrote_cache = cache_writes(&usage)
-        || fields.details.is_some_and(|name| {
-            usage
-                .last_value(name)
-                .and_then(|details| JsonObject::parse(details).ok())
-                .is_some_and(|details| cache_writes(&details))
-        });
     Some(PromptUsage {
         prompt_tokens: as_count(usage.last_value(fields.prompt)?)?,
         members,
-        wrote_cache,
     })
 }
 
@@ -116,7 +116,7 @@ pub fn prompt_usage_for_decode(
     kv_transfer_params: &[u8],
 ) -> Option<PromptUsage> {
     prompt_usage(api, prefill_answer)
-        .filter(|usage| usage.wrote_cache || !decode_counts_prefills_hits(kv_transfer_params))
+        .filter(|usage| usage.wrote_cache() || !decode_counts_prefills_hits(kv_transfer_params))
 }
 
 /// Whether decode will count the prompt's cache hits as prefill's on its own: vLLM 0.33 and
@@ -453,7 +453,6 @@ mod tests {
             Some(PromptUsage {
                 prompt_tokens: 7,
                 members: vec![],
-                wrote_cache: false,
             })
         );
         assert_eq!(prompt_usage(Api::Completions, b"{}"), None);
