@@ -296,6 +296,16 @@ async fn prompt_logprobs_come_from_prefill() {
     let reply = post(&APIS[0], &id, &sent).await;
     reply.assert_error(400, "prompt_logprobs cannot be streamed");
     assert!(h.prefill_requests(&id).is_empty());
+
+    // vLLM takes 0 with a stream and streams no prompt logprobs: so does the pair, decode
+    // (which refuses them beside KV) without them.
+    let id = unique_id("prompt-logprobs-stream-0");
+    sent["prompt_logprobs"] = json!(0);
+    let reply = post(&APIS[0], &id, &sent).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(reply.body.ends_with("data: [DONE]\n\n"), "{}", reply.body);
+    assert_eq!(h.only_prefill(&id).json()["prompt_logprobs"], 0);
+    assert!(h.only_decode(&id).json().get("prompt_logprobs").is_none());
 }
 
 #[tokio::test]

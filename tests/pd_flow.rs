@@ -180,6 +180,26 @@ async fn a_required_tool_choice_reaches_prefill_as_the_first_tool_by_name() {
     assert_eq!(h.only_decode(&id).json()["tool_choice"], "required");
 }
 
+/// vLLM refuses `structured_outputs` constraints beside a named tool, though not beside
+/// `"required"`: prefill, whose choice becomes the named tool, goes without them.
+#[tokio::test]
+async fn a_required_tool_choice_with_output_constraints_is_served() {
+    let h = harness();
+    let id = unique_id("tool-required-regex");
+    let tool = json!({"type": "function", "function": {"name": "get_weather"}});
+    let original = json!({"messages": [{"role": "user", "content": "weather in Paris"}],
+        "tools": [tool], "tool_choice": "required", "structured_outputs": {"regex": "a+"},
+        "max_tokens": 20})
+    .to_string();
+    assert_served("default", CHAT, &id, &original).await;
+    let prefill = h.only_prefill(&id).json();
+    assert_eq!(prefill["tool_choice"]["function"]["name"], "get_weather");
+    assert_eq!(prefill.get("structured_outputs"), None, "{prefill}");
+    let decode = h.only_decode(&id).json();
+    assert_eq!(decode["structured_outputs"], json!({"regex": "a+"}));
+    assert_eq!(decode["tool_choice"], "required");
+}
+
 /// Decode's answer gets prefill's usage and prompt logprobs, which a compressed answer could
 /// not: decode is never asked to compress.
 #[tokio::test]

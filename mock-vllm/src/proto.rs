@@ -113,6 +113,9 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         _ => int("n")?.unwrap_or(1),
     };
     check_n(n)?;
+    if endpoint == Endpoint::Chat {
+        check_structured_outputs(obj)?;
+    }
     if endpoint == Endpoint::Chat
         && limit == 1
         && obj.get("tool_choice") == Some(&json!("required"))
@@ -194,6 +197,33 @@ fn check_min(min: Option<i64>, limit: i64) -> Result<(), String> {
         return Err(format!(
             "min_tokens must be less than or equal to max_tokens={limit}, got {min}."
         ));
+    }
+    Ok(())
+}
+
+/// vLLM's `check_structured_outputs_count` on chat: one kind of constraint at most, and
+/// none beside a tool named in `tool_choice`.
+fn check_structured_outputs(obj: &Map<String, Value>) -> Result<(), String> {
+    let Some(outputs) = obj.get("structured_outputs").and_then(Value::as_object) else {
+        return Ok(());
+    };
+    let kinds = ["json", "regex", "choice"]
+        .iter()
+        .filter(|kind| outputs.get(**kind).is_some_and(|value| !value.is_null()))
+        .count();
+    if kinds > 1 {
+        return Err(
+            "You can only use one kind of constraints for structured outputs \
+                    ('json', 'regex' or 'choice')."
+                .into(),
+        );
+    }
+    let choice = obj.get("tool_choice").unwrap_or(&Value::Null);
+    let open_choice = [json!("none"), json!("auto"), json!("required"), Value::Null];
+    if kinds > 0 && !open_choice.contains(choice) {
+        return Err(
+            "You can only either use constraints for structured outputs or tools, not both.".into(),
+        );
     }
     Ok(())
 }
@@ -924,6 +954,32 @@ mod tests {
             "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]});
         assert_eq!(prompt(Endpoint::Responses, resp).unwrap(), "be brief\nhi");
         assert!(parse(c, b"[1]").is_err());
+    }
+
+    #[test]
+    fn chat_structured_outputs_as_vllm_checks_them() {
+        let chat = |extra: Value| {
+            let mut body = json!({"messages": [{"content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}]});
+            for (key, value) in extra.as_object().unwrap() {
+                body[key] = value.clone();
+            }
+            parse(Endpoint::Chat, body.to_string().as_bytes()).map(|_| ())
+        };
+        let named = json!({"type": "function", "function": {"name": "f"}});
+        let refused = chat(json!({"tool_choice": named, "structured_outputs": {"regex": "a"}}));
+        assert_eq!(
+            refused.unwrap_err(),
+            "You can only either use constraints for structured outputs or tools, not both."
+        );
+        assert!(chat(json!({"structured_outputs": {"regex": "a", "choice": ["b"]}})).is_err());
+        for choice in ["none", "auto", "required"] {
+            let body = json!({"tool_choice": choice, "max_tokens": 5,
+                "structured_outputs": {"json": {}}});
+            assert_eq!(chat(body), Ok(()), "{choice}");
+        }
+        let grammar = json!({"tool_choice": named, "structured_outputs": {"grammar": "g"}});
+        assert_eq!(chat(grammar), Ok(()));
     }
 
     #[test]

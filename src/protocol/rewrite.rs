@@ -183,7 +183,9 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     refuse_nested_kv_transfer_params(&object)?;
     let asks_prompt_logprobs =
         matches!(api, Api::Completions | Api::ChatCompletions) && object.is_set("prompt_logprobs");
-    if asks_prompt_logprobs && object.is_true("stream") {
+    // vLLM reads `stream` here as Python's truth of the raw value, so "false" streams.
+    let streams = object.last_value("stream").is_some_and(truthy);
+    if asks_prompt_logprobs && streams && !streamable_prompt_logprobs(&object) {
         return Err(ClientError::bad_request(
             "prompt_logprobs cannot be streamed through prefill/decode disaggregation: they \
              are computed on prefill; ask for them without stream",
@@ -271,7 +273,8 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
         .then(|| object.open_brace() + 1);
     let decode = DecodePlan {
         json_start,
-        prompt_logprobs_from_prefill: asks_prompt_logprobs,
+        // A stream carries no prompt logprobs.
+        prompt_logprobs_from_prefill: asks_prompt_logprobs && !object.is_true("stream"),
         prompt_logprobs_copies: match api {
             Api::Completions if asks_prompt_logprobs => {
                 object.last_value("n").and_then(lax_count).unwrap_or(1)
@@ -364,9 +367,17 @@ fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
     };
     if let Some(tool_choice) = tool_choice {
         let capped = one_token_splice(api, object, Edit::Slot).write(text, kv);
+        let drops_constraints = api == Api::ChatCompletions && constrains_output(object);
         return match JsonObject::parse(&capped) {
             Ok(capped_object) => capped_object
-                .splice_member("tool_choice", Edit::Slot)
+                .splice(
+                    |key| match key {
+                        "tool_choice" => Edit::Slot,
+                        "structured_outputs" if drops_constraints => Edit::Remove,
+                        _ => Edit::Keep,
+                    },
+                    &[],
+                )
                 .write(&capped, &tool_choice),
             Err(_) => capped,
         };
@@ -417,6 +428,21 @@ fn named_instead_of_required(object: &JsonObject) -> Option<Vec<u8>> {
     named.extend_from_slice(name);
     named.extend_from_slice(b"}}");
     Some(named)
+}
+
+/// Whether a chat request's `structured_outputs` sets `json`, `regex` or `choice`. vLLM
+/// refuses those beside a tool named in `tool_choice`, though not beside `"required"`, under
+/// which it replaces them with the tools' own schema: prefill, whose `"required"` becomes a
+/// named tool, goes without them. They constrain the generated tokens, never the prompt.
+fn constrains_output(object: &JsonObject) -> bool {
+    object
+        .last_value("structured_outputs")
+        .and_then(|text| JsonObject::parse(text).ok())
+        .is_some_and(|outputs| {
+            ["json", "regex", "choice"]
+                .iter()
+                .any(|key| outputs.is_set(key))
+        })
 }
 
 /// For a Messages request whose `tool_choice` names a tool (`{"type":"tool","name":…}`), the
@@ -474,6 +500,20 @@ fn truthy(value: &[u8]) -> bool {
             .is_none_or(|number| number != 0.0),
         _ => value == b"true",
     }
+}
+
+/// Whether vLLM takes a streamed request's `prompt_logprobs`: a number neither above 0 nor
+/// -1 (vLLM's own check; it streams no prompt logprobs). Other values it refuses, as the
+/// filter does; prefill, which gets them unstreamed, refuses a number vLLM cannot take.
+fn streamable_prompt_logprobs(object: &JsonObject) -> bool {
+    object
+        .last_value("prompt_logprobs")
+        .is_some_and(|value| match value {
+            b"false" => true,
+            b"true" => false,
+            _ => serde_json::from_slice::<f64>(value)
+                .is_ok_and(|number| number <= 0.0 && number != -1.0),
+        })
 }
 
 /// Whether a completions request asks for prompt logprobs through `echo`: vLLM then takes
@@ -634,6 +674,45 @@ mod tests {
             let prefill = prefill_json(Api::Messages, &body);
             let sent: Value = serde_json::from_str(choice).unwrap();
             assert_eq!(prefill["tool_choice"], sent, "{choice}");
+        }
+    }
+
+    #[test]
+    fn output_constraints_vllm_refuses_beside_a_named_tool_leave_prefill_only() {
+        let tools = r#"[{"type":"function","function":{"name":"f","parameters":{}}}]"#;
+        for constraint in [
+            r#"{"regex":"a+"}"#,
+            r#"{"choice":["a","b"]}"#,
+            r#"{"json":{"type":"object"}}"#,
+            r#"{"regex":null,"json":{}}"#,
+        ] {
+            let body = format!(
+                r#"{{"messages":[],"tools":{tools},"tool_choice":"required","structured_outputs":{constraint},"stream":true}}"#
+            );
+            let prepared = prepare(Api::ChatCompletions, body.as_bytes()).unwrap();
+            let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+            assert_eq!(prefill["tool_choice"]["function"]["name"], "f", "{body}");
+            assert!(prefill.get("structured_outputs").is_none(), "{prefill}");
+            let decode = prepared.decode.body_with_kv(body.as_bytes(), b"{}");
+            let decode: Value = serde_json::from_slice(&decode).unwrap();
+            let client: Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(decode["structured_outputs"], client["structured_outputs"]);
+            assert_eq!(decode["tool_choice"], "required");
+        }
+        // Constraints vLLM allows beside a named tool stay, as do all where the choice is
+        // the client's own.
+        for (choice, constraint) in [
+            (r#""required""#, r#"{"grammar":"root ::= \"a\""}"#),
+            (r#""required""#, r#"{"regex":null}"#),
+            (r#""auto""#, r#"{"regex":"a+"}"#),
+            (r#""none""#, r#"{"json":{}}"#),
+        ] {
+            let body = format!(
+                r#"{{"messages":[],"tools":{tools},"tool_choice":{choice},"structured_outputs":{constraint}}}"#
+            );
+            let prefill = prefill_json(Api::ChatCompletions, &body);
+            let sent: Value = serde_json::from_str(constraint).unwrap();
+            assert_eq!(prefill["structured_outputs"], sent, "{body}");
         }
     }
 
@@ -1090,6 +1169,50 @@ mod tests {
                 .decode
                 .prompt_logprobs_from_prefill
         );
+    }
+
+    #[test]
+    fn streamed_prompt_logprobs_are_refused_where_vllm_refuses_them() {
+        // vLLM refuses values above 0 and -1 with a stream, reading `stream` as Python's
+        // truth of the raw value (so "false" streams), and takes the rest.
+        for refused in [
+            r#""prompt_logprobs":1,"stream":true"#,
+            r#""prompt_logprobs":-1,"stream":true"#,
+            r#""prompt_logprobs":0.5,"stream":true"#,
+            r#""prompt_logprobs":true,"stream":true"#,
+            r#""prompt_logprobs":"0","stream":true"#,
+            r#""prompt_logprobs":1,"stream":"false""#,
+            r#""prompt_logprobs":1,"stream":2"#,
+        ] {
+            let body = format!(r#"{{"prompt":"a",{refused}}}"#);
+            for api in [Api::Completions, Api::ChatCompletions] {
+                let error = prepare(api, body.as_bytes()).unwrap_err();
+                assert_eq!(error.status, 400, "{body}");
+            }
+        }
+        // Taken: a stream carries none, so decode goes without them and prefill's are not
+        // kept; prefill, unstreamed, still checks the value as vLLM would.
+        for (taken, streamed) in [
+            (r#""prompt_logprobs":0,"stream":true"#, true),
+            (r#""prompt_logprobs":false,"stream":true"#, true),
+            (r#""prompt_logprobs":-5,"stream":true"#, true),
+            (r#""prompt_logprobs":0,"stream":"false""#, false),
+        ] {
+            let body = format!(r#"{{"prompt":"a",{taken}}}"#);
+            let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
+            assert_eq!(
+                prepared.decode.prompt_logprobs_from_prefill, !streamed,
+                "{body}"
+            );
+            let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+            let client: Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(prefill["prompt_logprobs"], client["prompt_logprobs"]);
+            assert_eq!(prefill["stream"], false);
+            let decode = prepared.decode.body_with_kv(body.as_bytes(), b"{}");
+            let decode: Value = serde_json::from_slice(&decode).unwrap();
+            assert!(decode.get("prompt_logprobs").is_none(), "{decode}");
+            assert_eq!(decode["stream"], client["stream"]);
+        }
     }
 
     #[test]

@@ -126,7 +126,8 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
     let sent = members(client_text)?;
     let got = members(prefill_text)?;
     let responses = path == "/v1/responses";
-    // A chat request's "required" tool choice names a tool on prefill (checked by its test).
+    // A chat request's "required" tool choice names a tool on prefill, and output
+    // constraints vLLM refuses beside one go (checked by their tests).
     let names_a_tool = path == "/v1/chat/completions"
         && sent
             .iter()
@@ -139,7 +140,7 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
             || key == "stream"
             || key == KV
             || (responses && (key == "store" || key == "background"))
-            || (names_a_tool && key == "tool_choice")
+            || (names_a_tool && (key == "tool_choice" || key == "structured_outputs"))
     };
     let kept = |members: &[(String, &RawValue)]| -> Vec<(String, String)> {
         members
