@@ -88,10 +88,7 @@ impl Default for RawConfig {
                 "/inference/v1/generate".to_owned(),
                 "/cohere/v2/chat".to_owned(),
             ],
-            kv_stripped_paths: DEFAULT_KV_STRIPPED_PATHS
-                .iter()
-                .map(|path| (*path).to_owned())
-                .collect(),
+            kv_stripped_paths: Vec::new(),
             max_request_body_bytes: 8 * 1024 * 1024,
             max_vm_held_bytes: 256 * 1024 * 1024,
             on_missing_kv_transfer_params: MissingKvPolicy::DecodeOnly,
@@ -141,19 +138,21 @@ pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
     "x-vllm-priority",
 ];
 
-/// vLLM's generation APIs that the filter does not orchestrate: their requests go to decode
+/// vLLM's generation APIs: a request to one the filter does not orchestrate goes to decode
 /// with any client `kv_transfer_params` removed, so that no client can make decode pull KV
-/// from a host of its choosing.
-/// (vLLM 0.33: SageMaker's `/invocations`, which serves chat or completions by the body's
-/// shape, and chat batches; and the three vLLM APIs orchestrated by default beyond
-/// OpenAI's, for a configuration whose `paths` leaves them out. Orchestration wins where a
-/// path is in both lists.)
-pub const DEFAULT_KV_STRIPPED_PATHS: &[&str] = &[
+/// from a host of its choosing, whatever `paths` leaves out. `kv_stripped_paths` adds to
+/// them. (vLLM 0.33: the six APIs orchestrated by default, SageMaker's `/invocations`, which
+/// serves chat or completions by the body's shape, and chat batches. Orchestration wins
+/// where a path is in both.)
+pub const VLLM_GENERATION_PATHS: &[&str] = &[
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
     "/v1/messages",
     "/inference/v1/generate",
+    "/cohere/v2/chat",
     "/invocations",
     "/v1/chat/completions/batch",
-    "/cohere/v2/chat",
 ];
 
 /// A path the filter orchestrates and the API it serves.
@@ -245,6 +244,20 @@ fn header_name(key: &str, name: &str) -> Result<String, ConfigError> {
     } else {
         Err(ConfigError(format!("{key}: {name:?} is not a header name")))
     }
+}
+
+/// vLLM's generation paths and the configuration's further ones, each once.
+fn stripped_paths(configured: Vec<String>) -> Vec<String> {
+    let mut paths: Vec<String> = VLLM_GENERATION_PATHS
+        .iter()
+        .map(|path| (*path).to_owned())
+        .collect();
+    for path in configured {
+        if !paths.contains(&path) {
+            paths.push(path);
+        }
+    }
+    paths
 }
 
 impl Config {
@@ -385,7 +398,7 @@ impl Config {
             prefill_cluster: raw.prefill_cluster,
             prefill_timeout: Duration::from_millis(raw.prefill_timeout_ms),
             orchestrated_paths,
-            kv_stripped_paths: raw.kv_stripped_paths,
+            kv_stripped_paths: stripped_paths(raw.kv_stripped_paths),
             max_request_body_bytes: raw.max_request_body_bytes,
             max_vm_held_bytes: raw.max_vm_held_bytes,
             on_missing_kv_transfer_params: raw.on_missing_kv_transfer_params,
@@ -637,14 +650,34 @@ mod tests {
 
     #[test]
     fn vllms_own_apis_left_out_of_paths_are_still_stripped() {
-        let config = Config::from_json(br#"{"paths":["/v1/completions"]}"#).unwrap();
-        for path in ["/v1/messages", "/inference/v1/generate"] {
+        // A review saw /v1/completions and /v1/responses reach decode with the client's
+        // kv_transfer_params under a configuration that orchestrated chat only.
+        for config in [
+            r#"{"paths":["/v1/chat/completions"]}"#,
+            r#"{"paths":["/v1/chat/completions"],"kv_stripped_paths":[]}"#,
+            r#"{"paths":["/v1/chat/completions"],"kv_stripped_paths":["/other/generate"]}"#,
+        ] {
+            let config = Config::from_json(config.as_bytes()).unwrap();
+            for path in VLLM_GENERATION_PATHS
+                .iter()
+                .filter(|path| **path != "/v1/chat/completions")
+            {
+                assert_eq!(
+                    config.classify_path(path),
+                    PathVerdict::StripKvTransferParams,
+                    "{path}"
+                );
+            }
             assert_eq!(
-                config.classify_path(path),
-                PathVerdict::StripKvTransferParams,
-                "{path}"
+                config.classify_path("/v1/chat/completions"),
+                PathVerdict::Orchestrate(Api::ChatCompletions)
             );
         }
+        let config = Config::from_json(br#"{"kv_stripped_paths":["/other/generate"]}"#).unwrap();
+        assert_eq!(
+            config.classify_path("/other/generate"),
+            PathVerdict::StripKvTransferParams
+        );
     }
 
     #[test]
@@ -662,8 +695,9 @@ mod tests {
         );
         assert_eq!(
             config.classify_path("/v1/completions"),
-            PathVerdict::NotOurs
+            PathVerdict::StripKvTransferParams
         );
+        assert_eq!(config.classify_path("/v1/models"), PathVerdict::NotOurs);
     }
 
     #[test]

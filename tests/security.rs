@@ -202,8 +202,20 @@ async fn post_json(listener: &str, path: &str, id: &str, body: impl AsRef<[u8]>)
 async fn assert_still_serves(listener: &str) {
     let id = unique_id("still-serves");
     let prompt = format!("{id} normal request");
-    let body = json!({"prompt": prompt, "max_tokens": 4}).to_string();
-    let reply = post_json(listener, "/v1/completions", &id, body).await;
+    // The stripping listener orchestrates chat only.
+    let (path, body) = if listener == "stripping" {
+        let messages = json!([{"role": "user", "content": prompt}]);
+        (
+            "/v1/chat/completions",
+            json!({"messages": messages, "max_tokens": 4}),
+        )
+    } else {
+        (
+            "/v1/completions",
+            json!({"prompt": prompt, "max_tokens": 4}),
+        )
+    };
+    let reply = post_json(listener, path, &id, body.to_string()).await;
     assert_eq!(reply.status, 200, "{listener}: {}", reply.body);
     if listener == "decode_only" {
         assert_eq!(reply.header("x-mock-kv"), Some("recomputed"), "{listener}");
@@ -887,8 +899,53 @@ async fn a_utf8_bom_before_the_body_is_served_and_both_legs_get_valid_json() {
 }
 
 // ----------------------------------------------------------------------------------------
-// 11. Stripped paths (`stripping`: /v1/messages is not orchestrated, its kv_transfer_params
-// are removed)
+// 11. Stripped paths (`stripping`: only chat is orchestrated; vLLM's other generation
+// paths have their kv_transfer_params removed)
+
+/// A configuration that orchestrates fewer APIs still keeps clients' kv_transfer_params from
+/// the others: a review saw /v1/completions and /v1/responses reach decode with them.
+#[tokio::test]
+async fn vllms_generation_paths_left_out_of_paths_never_pass_on_client_kv() {
+    let mut cases = Vec::new();
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 3})),
+        (
+            "/v1/completions?x=1",
+            json!({"prompt": "hi", "max_tokens": 3}),
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "hi", "max_output_tokens": 3}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "m", "max_tokens": 3,
+                "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "/inference/v1/generate",
+            json!({"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}}),
+        ),
+    ] {
+        cases.push(case(path, async move {
+            let id = unique_id("strip-unorchestrated");
+            let mut body = body;
+            body["kv_transfer_params"] = serde_json::from_str(CLIENT_KV).unwrap();
+            let reply = post_json("stripping", path, &id, body.to_string()).await;
+            assert_envoy_alive();
+            assert_eq!(
+                decoded(&id).len(),
+                1,
+                "{path}: {} {}",
+                reply.status,
+                reply.body
+            );
+            assert_decode_never_got_client_kv(&id);
+            assert!(prefilled(&id).is_empty(), "{path}");
+        }));
+    }
+    run_cases_then_still_serves(cases, "stripping").await;
+}
 
 #[tokio::test]
 async fn a_stripped_path_never_passes_on_a_body_the_filter_cannot_read() {

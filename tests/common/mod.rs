@@ -144,12 +144,9 @@ pub const LISTENERS: &[Listener] = &[
         "small_vm_budget",
         r#"{"max_request_body_bytes":1048576,"max_vm_held_bytes":2097152}"#,
     ),
-    // /v1/messages and /inference/v1/generate left out of `paths`: they are stripped paths,
-    // and the mock decode records what reaches them.
-    plain(
-        "stripping",
-        r#"{"paths":["/v1/completions","/v1/chat/completions","/v1/responses"]}"#,
-    ),
+    // Only chat orchestrated: vLLM's other generation paths are stripped paths, and the mock
+    // decode records what reaches them.
+    plain("stripping", r#"{"paths":["/v1/chat/completions"]}"#),
     // Decode cannot be reached; KV releases still go to the `decode` cluster.
     Listener {
         decode_route: DecodeRoute::Unreachable,
