@@ -13,7 +13,7 @@ ENVOY ?= $(shell command -v envoy 2>/dev/null || echo $(CURDIR)/$(VENV)/bin/envo
 # (no Envoy) and the load test (its own tier).
 ENVOY_TESTS := $(filter-out properties load,$(basename $(notdir $(wildcard tests/*.rs))))
 
-.PHONY: build envoy python-deps run test test-fast test-envoy test-load test-wasm test-compose lint bench bench-wasm clean image help
+.PHONY: build envoy python-deps run test test-modules test-fast test-envoy test-load test-wasm test-compose lint bench bench-wasm clean image help
 
 build: ## Build the filter: target/wasm32-wasip1/release/pd_filter.wasm
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
@@ -40,18 +40,22 @@ run: build envoy ## Run the filter in a real Envoy in front of the mock vLLM ser
 
 # Every test of the workspace, then the wasm32 unit tests (also when a native test failed):
 # the union of the tiers below.
-test: build envoy python-deps ## Every test: unit, property, mock, wasm32, integration in Envoy, load
+test: build test-modules envoy python-deps ## Every test: unit, property, mock, wasm32, integration in Envoy, load
 	@rm -f target/native-tests-failed
 	ENVOY_BIN="$(ENVOY)" cargo test --workspace --no-fail-fast || touch target/native-tests-failed
 	$(MAKE) --no-print-directory test-wasm
 	@if [ -e target/native-tests-failed ]; then echo "make test: native tests failed (above)"; exit 1; fi
+
+# Wasm modules only tests load: a filter whose VM crashes on demand (tests/manifests.rs).
+test-modules:
+	cargo build --release --target $(WASM_TARGET) -p crashing-filter
 
 test-fast: ## Tests without Envoy (seconds): unit (native and wasm32), property, mock servers
 	cargo test -p pd-filter --lib --test properties
 	cargo test -p mock-vllm
 	$(MAKE) --no-print-directory test-wasm
 
-test-envoy: build envoy python-deps ## Integration tests in a real Envoy with the built filter, except load
+test-envoy: build test-modules envoy python-deps ## Integration tests in a real Envoy with the built filter, except load
 	ENVOY_BIN="$(ENVOY)" cargo test -p pd-filter --no-fail-fast $(addprefix --test ,$(ENVOY_TESTS))
 
 test-load: build envoy ## Load test: 64 concurrent clients, over 3,000 requests (tests/load.rs)

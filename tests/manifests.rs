@@ -2278,6 +2278,50 @@ fn envoy_yaml_refuses_requests_the_filter_did_not_see_in_envoy() {
     );
 }
 
+/// envoy/envoy.yaml as shipped answers a request whose VM crashed (failure_policy
+/// FAIL_RELOAD) with an OpenAI 503 that says what happened and when to retry, and serves the
+/// next requests from a reloaded VM. A test module (test-modules/crashing-filter) stands for
+/// the filter: pd-filter itself has no input that crashes it.
+#[test]
+fn envoy_yaml_answers_a_crashed_vm_and_reloads_it_in_envoy() {
+    let crashing = repo_root().join("target/wasm32-wasip1/release/crashing_filter.wasm");
+    assert!(
+        crashing.exists(),
+        "{} is missing: make test builds it",
+        crashing.display()
+    );
+    let filter = wasm_path().display().to_string();
+    let (_runtime, _prefill, decode, envoy) =
+        edited_envoy_yaml_before_mocks("run-envoy-yaml-crash", |text| {
+            substitute(&text, &filter, &crashing.display().to_string())
+        });
+    let reply = raw_post(envoy.port, "/v1/completions", &[], COMPLETION_BODY);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let reply = raw_post(
+        envoy.port,
+        "/v1/completions",
+        &[("x-crash-vm", "1")],
+        COMPLETION_BODY,
+    );
+    let error = openai_error(&reply, 503).unwrap_or_else(|e| panic!("{e}\n{}", envoy.log()));
+    assert_eq!(error["type"], "ServiceUnavailableError");
+    let message = error["message"].as_str().unwrap_or_default();
+    assert!(message.contains("failed on this Envoy worker"), "{message}");
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    // The VM is reloaded for a later request (Envoy waits a little before it reloads).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let served = loop {
+        let reply = raw_post(envoy.port, "/v1/completions", &[], COMPLETION_BODY);
+        if reply.status == 200 || std::time::Instant::now() > deadline {
+            break reply;
+        }
+        openai_error(&reply, 503).unwrap_or_else(|e| panic!("while reloading: {e}"));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    assert_eq!(served.status, 200, "{}\n{}", served.body, envoy.log());
+    assert_eq!(decode.requests().len(), 2, "{:?}", decode.requests());
+}
+
 /// envoy/envoy.yaml as shipped answers vLLM's operator endpoints 404 itself, however the
 /// client spells the path, and serves the APIs beside them.
 #[test]

@@ -118,7 +118,9 @@ impl PrefillAnswer<'_> {
 }
 
 /// Reads the prefill answer. `status` is `None` when the callout ended without response
-/// headers (the connection was reset after the answer had started).
+/// headers: the connection was reset after the answer had started, or Envoy reset the call
+/// itself because the prefill cluster was updated or removed (a CDS change resets Envoy's
+/// calls in flight, though not its routed requests).
 pub fn read_prefill_answer(status: Option<u16>, body: &[u8]) -> PrefillAnswer<'_> {
     let fail = |kind, status, message: String| {
         PrefillAnswer::Failed(PrefillFailure::new(kind, status, message))
@@ -127,7 +129,9 @@ pub fn read_prefill_answer(status: Option<u16>, body: &[u8]) -> PrefillAnswer<'_
         return fail(
             FailureKind::Reset,
             502,
-            "prefill connection was reset before its answer was complete".to_owned(),
+            "the prefill call was reset before its answer was complete: prefill closed its \
+             connection, or Envoy updated or removed the prefill cluster"
+                .to_owned(),
         );
     };
     match status {
