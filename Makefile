@@ -46,8 +46,7 @@ test: build test-modules envoy python-deps ## Every test: unit, property, mock, 
 	$(MAKE) --no-print-directory test-wasm
 	@if [ -e target/native-tests-failed ]; then echo "make test: native tests failed (above)"; exit 1; fi
 
-# Wasm modules only tests load: a filter whose VM crashes on demand (tests/manifests.rs).
-test-modules:
+test-modules: ## Wasm modules only tests load: a filter whose VM crashes on demand
 	cargo build --release --target $(WASM_TARGET) -p crashing-filter
 
 test-fast: ## Tests without Envoy (seconds): unit (native and wasm32), property, mock servers

@@ -14,7 +14,7 @@ cat <<'MSG'
 pd-filter is starting: clients talk to Envoy on http://127.0.0.1:10000 (admin on :9901).
 Try, from another terminal:
 
-  curl -s http://127.0.0.1:10000/v1/completions -H 'content-type: application/json' \
+  curl -si http://127.0.0.1:10000/v1/completions -H 'content-type: application/json' \
     -d '{"model":"mock-model","prompt":"Once upon a time","max_tokens":8}'
 
   curl -s http://127.0.0.1:10000/v1/chat/completions -H 'content-type: application/json' \
@@ -39,7 +39,8 @@ Try, from another terminal:
   curl -s http://127.0.0.1:10000/v1/completions -H 'content-type: application/json' \
     -d '{"model":"mock-model","prompt":"fail mock:prefill_status=400","max_tokens":8}'
 
-The x-mock-kv response header says whether decode reused prefill's KV ("reused").
+The x-mock-kv response header (the first command shows the headers) says whether decode
+reused prefill's KV ("reused").
 What each mock received: curl -s http://127.0.0.1:8100/mock/requests (prefill), :8200 (decode);
 prefill's KV issued and read: curl -s http://127.0.0.1:8100/mock/kv.
 

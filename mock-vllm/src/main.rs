@@ -5,7 +5,8 @@ use mock_vllm::{MockServer, Role};
 const USAGE: &str = "usage: mock-vllm [--prefill ADDR] [--decode ADDR]  (at least one)
 
 Mock vLLM prefill and decode servers for P/D disaggregation. They answer POST /v1/completions,
-/v1/chat/completions, /v1/responses, /v1/messages and /inference/v1/generate. GET /mock/requests
+/v1/chat/completions, /v1/responses, /v1/messages, /inference/v1/generate and /cohere/v2/chat.
+GET /mock/requests
 lists what a server received, GET /mock/kv (prefill) the KV it issued, read and stranded.
 Faults, asked for anywhere in a request body's text:
   mock:prefill_status=N, mock:decode_status=N   answer status N with a vLLM error body
