@@ -188,7 +188,8 @@ def report(directory):
                 ratios = [n / w for n, w in zip(nat, wasm)]
                 print(f"| {size} | {step} | {cell(nat, '{:,.0f}')} | {cell(wasm, '{:,.0f}')} | {cell(ratios, '{:.2f}')} |")
         print()
-        usage_steps = [("usage_json", "a JSON answer"), ("usage_stream", "a 16-event stream in one chunk")]
+        usage_steps = [("usage_json", "a JSON answer"), ("usage_stream", "a 16-event stream in one chunk"),
+                       ("usage_long_event", "a 1 MB event in 1 KiB chunks")]
         if any(timing_us.get(("wasm32", "answer", step)) for step, _ in usage_steps):
             print("Usage merging of decode's answer (src/timing.rs; µs per answer):\n")
             print("| answer | native µs | wasm32 µs |")

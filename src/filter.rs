@@ -801,6 +801,7 @@ impl HttpContext for PdRequest {
             content_type: headers.text("content-type"),
             has_request_id: headers.value("x-request-id").is_some(),
             content_length: headers.value("content-length"),
+            content_encoding: headers.value("content-encoding"),
             end_of_stream,
             code_details: details.as_deref(),
             decode_connected: envoys_own.then(decode_was_connected),

@@ -289,6 +289,8 @@ pub struct ResponseHead<'a> {
     pub has_request_id: bool,
     /// Decode's `content-length` header, as sent.
     pub content_length: Option<&'a [u8]>,
+    /// Decode's `content-encoding` header, as sent.
+    pub content_encoding: Option<&'a [u8]>,
     /// The answer has no body.
     pub end_of_stream: bool,
     /// Envoy's `response.code_details` (`via_upstream` for decode's own answer), when asked
@@ -299,6 +301,15 @@ pub struct ResponseHead<'a> {
 }
 
 impl ResponseHead<'_> {
+    /// Whether the answer's bytes are compressed (or otherwise encoded): the filter cannot
+    /// read them. Decode is not asked to compress, but a proxy on the way may.
+    fn is_encoded(&self) -> bool {
+        self.content_encoding.is_some_and(|coding| {
+            let coding = coding.trim_ascii();
+            !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity")
+        })
+    }
+
     /// The answer's length in bytes, when decode announced one that is a number.
     fn announced_length(&self) -> Option<usize> {
         let text = std::str::from_utf8(self.content_length?).ok()?;
@@ -1153,12 +1164,13 @@ impl Session {
         }
         let rewrites = (prompt_usage.is_some() || prompt_logprobs.is_some())
             && head.status == Some(200)
-            && !head.end_of_stream;
+            && !head.end_of_stream
+            && !head.is_encoded();
         let essence = head.content_type.map(media_type).unwrap_or_default().trim();
         let mut rewrite = None;
         if rewrites && essence.eq_ignore_ascii_case("text/event-stream") {
             rewrite = (prompt_usage.is_some() && *stream_usage)
-                .then(|| AnswerRewrite::Events(EventStream::default()));
+                .then(|| AnswerRewrite::Events(EventStream::new(self.held.clone())));
         } else if rewrites && essence.eq_ignore_ascii_case("application/json") {
             rewrite = match head.announced_length() {
                 // Empty, or larger than any answer worth holding: as decode wrote it.

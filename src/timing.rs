@@ -10,6 +10,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use crate::api::Api;
+use crate::held_bytes::HeldBytes;
 use crate::json::JsonObject;
 use crate::protocol::usage::{merge_answer, prompt_usage, EventStream};
 use crate::protocol::{prepare, read_prefill_answer, PrefillAnswer};
@@ -123,7 +124,14 @@ fn usage_timing(target: &str) {
     }
     stream.push_str("data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":0,\"model\":\"m\",\"choices\":[],\"usage\":{\"prompt_tokens\":300,\"completion_tokens\":12,\"total_tokens\":312,\"prompt_tokens_details\":{\"cached_tokens\":300}}}\n\ndata: [DONE]\n\n");
     let stream = stream.into_bytes();
-    let steps: [AnswerStep; 2] = [
+    // One event of 1 MB (a long `response.completed`, say) arriving 1 KiB at a time: the
+    // work per chunk must not grow with what of the event waits already.
+    let long_event = {
+        let mut event = chunk(&format!(r#"{{"content":"{}"}}"#, "x".repeat(1_000_000)));
+        event.push_str("data: [DONE]\n\n");
+        event.into_bytes()
+    };
+    let steps: [AnswerStep; 3] = [
         (
             "usage_json",
             answer,
@@ -139,13 +147,23 @@ fn usage_timing(target: &str) {
             "usage_stream",
             &stream,
             Box::new(|| {
-                let mut events = EventStream::default();
+                let mut events = EventStream::new(HeldBytes::new(usize::MAX));
                 black_box(events.on_chunk(
                     Api::ChatCompletions,
                     &prompt,
                     black_box(&stream),
                     false,
                 ));
+            }),
+        ),
+        (
+            "usage_long_event",
+            &long_event,
+            Box::new(|| {
+                let mut events = EventStream::new(HeldBytes::new(usize::MAX));
+                for piece in long_event.chunks(1024) {
+                    black_box(events.on_chunk(Api::ChatCompletions, &prompt, piece, false));
+                }
             }),
         ),
     ];

@@ -130,6 +130,57 @@ async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
     }
 }
 
+/// A gzip stream of stored blocks (what `mock:decode_gzip` writes), inflated; `None` when it
+/// is not one or its checksum fails.
+fn gunzip_stored(bytes: &[u8]) -> Option<Vec<u8>> {
+    let mut rest = bytes.strip_prefix(&[0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff][..])?;
+    let mut plain = Vec::new();
+    loop {
+        let (&header, after) = rest.split_first()?;
+        let len = usize::from(u16::from_le_bytes([*after.first()?, *after.get(1)?]));
+        plain.extend_from_slice(after.get(4..4 + len)?);
+        rest = after.get(4 + len..)?;
+        if header == 1 {
+            break;
+        }
+    }
+    let mut crc = !0u32;
+    for &byte in &plain {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xedb8_8320 & (crc & 1).wrapping_neg());
+        }
+    }
+    (rest.get(..4)? == (!crc).to_le_bytes()).then_some(plain)
+}
+
+/// Decode is never asked to compress, but a proxy in front of it may: a compressed answer
+/// goes to the client as it came, its usage decode's (the filter cannot read it), and
+/// streamed events are not held.
+#[tokio::test]
+async fn a_compressed_answer_goes_on_as_decode_wrote_it() {
+    for api in &APIS {
+        for stream in [false, true] {
+            let id = unique_id("gzip");
+            let sent = body(api, "count mock:decode_gzip", stream);
+            let reply = post(api, &id, &sent).await;
+            let case = format!("{} stream={stream}", api.path);
+            assert_eq!(reply.status, 200, "{case}");
+            assert_eq!(reply.header("content-encoding"), Some("gzip"), "{case}");
+            assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+            let plain = gunzip_stored(&reply.bytes)
+                .unwrap_or_else(|| panic!("{case}: not the gzip stream decode sent"));
+            let plain = String::from_utf8(plain).unwrap();
+            let usage = client_usage(&plain);
+            let prompt = usage[api.prompt].as_u64().unwrap();
+            assert_eq!(
+                usage[api.details]["cached_tokens"], prompt,
+                "{case}: decode's own count: {usage}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn under_vllm_0_33_the_client_sees_prefills_cache_writes_and_decodes_own_hits() {
     // vLLM 0.33 and later hand prefill's cache hits to decode in kv_transfer_params

@@ -340,6 +340,8 @@ struct Faults {
     /// A `retry-after` on an error answer (`mock:prefill_retry_after=N`), as a rate limiter
     /// in front of vLLM would send.
     retry_after: Option<u64>,
+    /// Decode: a gzip-compressed answer (`mock:decode_gzip`).
+    gzip: bool,
 }
 
 impl Faults {
@@ -366,6 +368,7 @@ impl Faults {
             hands_cached_tokens: prefill && flag("hands_cached_tokens"),
             token_delay_ms: if prefill { None } else { num("token_delay_ms") },
             retry_after: num("retry_after"),
+            gzip: !prefill && flag("gzip"),
         }
     }
 }
@@ -640,7 +643,9 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     // vLLM 0.33's decode counts the KV it pulled as neither a hit nor a cache write.
     let writes = prefills_hits.map(|_| 0);
     let answer = answer(shared, parsed, tokens, cached, writes);
-    let mut resp = if parsed.stream {
+    let mut resp = if faults.gzip {
+        gzip_response(&answer, parsed, faults.pace())
+    } else if parsed.stream {
         sse_response(
             &answer,
             parsed.include_usage,
@@ -653,6 +658,63 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     resp.headers_mut()
         .insert("x-mock-kv", HeaderValue::from_static(outcome));
     resp
+}
+
+/// Decode's answer gzip-compressed (`mock:decode_gzip`), as a proxy in front of vLLM might
+/// send it: stored deflate blocks, so that the plain text shows in the compressed bytes (a
+/// filter that rewrote it there would break the stream's checksum), one per event.
+fn gzip_response(answer: &Answer, parsed: &Parsed, pace: Duration) -> Response<Body> {
+    let (plain, content_type): (Vec<Bytes>, _) = if parsed.stream {
+        let events = answer.events(parsed.include_usage);
+        (
+            events.into_iter().map(Bytes::from).collect(),
+            "text/event-stream",
+        )
+    } else {
+        (
+            vec![Bytes::from(answer.object().to_string())],
+            "application/json",
+        )
+    };
+    let mut resp = channel_response(gzip_stored(&plain), None, pace);
+    let headers = resp.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    headers.insert("content-encoding", HeaderValue::from_static("gzip"));
+    resp
+}
+
+/// `chunks` as one gzip stream in as many pieces: the header with the first, a stored block
+/// for each, the last block and the trailer after them.
+fn gzip_stored(chunks: &[Bytes]) -> Vec<Bytes> {
+    let mut crc = !0u32;
+    let mut size = 0u32;
+    let mut pieces = Vec::with_capacity(chunks.len() + 1);
+    for (index, chunk) in chunks.iter().enumerate() {
+        let mut piece = Vec::with_capacity(chunk.len() + 16);
+        if index == 0 {
+            piece.extend_from_slice(&[0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff]);
+        }
+        for block in chunk.chunks(0xffff) {
+            let len = block.len() as u16;
+            piece.push(0);
+            piece.extend_from_slice(&len.to_le_bytes());
+            piece.extend_from_slice(&(!len).to_le_bytes());
+            piece.extend_from_slice(block);
+        }
+        for &byte in chunk.iter() {
+            crc ^= u32::from(byte);
+            for _ in 0..8 {
+                crc = (crc >> 1) ^ (0xedb8_8320 & (crc & 1).wrapping_neg());
+            }
+        }
+        size = size.wrapping_add(chunk.len() as u32);
+        pieces.push(Bytes::from(piece));
+    }
+    let mut last = vec![1, 0, 0, 0xff, 0xff];
+    last.extend_from_slice(&(!crc).to_le_bytes());
+    last.extend_from_slice(&size.to_le_bytes());
+    pieces.push(Bytes::from(last));
+    pieces
 }
 
 /// Decode: pulls the KV named by `kv_transfer_params`, which tells the prefill worker that

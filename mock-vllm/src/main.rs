@@ -13,6 +13,7 @@ Faults, asked for anywhere in a request body's text:
   mock:prefill_retry_after=N, mock:decode_retry_after=N   with such a status, retry-after: N
   mock:prefill_delay_ms=N, mock:decode_delay_ms=N   wait N ms before answering
   mock:prefill_reset                             close the connection without answering
+  mock:decode_gzip                               answer gzip-compressed (stored blocks)
   mock:prefill_reset_mid_answer, mock:decode_reset_mid_stream   cut the answer short
   mock:prefill_no_kv, mock:prefill_null_kv, mock:prefill_kv_not_object   bad kv_transfer_params
   mock:prefill_non_json                          answer 200 with a text body

@@ -5,6 +5,7 @@
 //! its details: cache hits, cache writes, per-modality counts), totals recomputed.
 
 use crate::api::Api;
+use crate::held_bytes::{HeldBytes, Reservation};
 use crate::json::{Edit, JsonObject};
 
 /// What prefill counted for the prompt.
@@ -292,20 +293,34 @@ const MAX_HELD_EVENT: usize = 1 << 20;
 
 /// Rewrites a stream of server-sent events chunk by chunk. Complete events pass through as
 /// they arrive, changed only where they carry usage; an event cut by a chunk boundary waits
-/// for its end (a client cannot use half an event anyway). The work per chunk does not
-/// depend on how long the answer is so far.
-#[derive(Debug, Default)]
+/// for its end (a client cannot use half an event anyway), counted against the VM's budget.
+/// The work per chunk depends on the chunk and on the events it completes, not on how long
+/// the answer, or the event still waiting, is so far.
+#[derive(Debug)]
 pub struct EventStream {
     held: Vec<u8>,
+    budget: HeldBytes,
+    reserved: Option<Reservation>,
 }
 
 impl EventStream {
+    /// A stream whose waiting bytes count against `budget`.
+    pub fn new(budget: HeldBytes) -> EventStream {
+        EventStream {
+            held: Vec::new(),
+            budget,
+            reserved: None,
+        }
+    }
+
     /// Whether part of an event waits for its end.
     pub fn holds_bytes(&self) -> bool {
         !self.held.is_empty()
     }
 
-    /// The bytes to send on for `chunk`; `None` when they are exactly `chunk`.
+    /// The bytes to send on for `chunk`; `None` when they are exactly `chunk`. An event
+    /// longer than [`MAX_HELD_EVENT`], or one the VM's budget has no room for, goes on as
+    /// it is.
     pub fn on_chunk(
         &mut self,
         api: Api,
@@ -313,29 +328,57 @@ impl EventStream {
         chunk: &[u8],
         end_of_stream: bool,
     ) -> Option<Vec<u8>> {
-        let had_held = !self.held.is_empty();
-        let joined;
-        let data: &[u8] = if had_held {
-            let mut both = std::mem::take(&mut self.held);
-            both.extend_from_slice(chunk);
-            joined = both;
-            &joined
-        } else {
-            chunk
-        };
+        let had_held = self.held.len();
+        let mut data = std::mem::take(&mut self.held);
+        if had_held == 0 {
+            let complete_end = if end_of_stream || chunk.len() > MAX_HELD_EVENT {
+                chunk.len()
+            } else {
+                after_last_event(chunk)
+            };
+            let (complete, rest) = chunk.split_at(complete_end);
+            let out = merge_events(api, prompt, complete);
+            if rest.is_empty() {
+                return out;
+            }
+            data.extend_from_slice(rest);
+            return self.hold(data, out.unwrap_or_else(|| complete.to_vec()));
+        }
+        data.extend_from_slice(chunk);
         let complete_end = if end_of_stream || data.len() > MAX_HELD_EVENT {
             data.len()
         } else {
-            after_last_event(data)
+            // The bytes held end no event: only an end that takes a byte of the chunk can
+            // be new, and it starts at most 3 bytes before the chunk.
+            let from = had_held.saturating_sub(3);
+            match after_last_event(data.get(from..).unwrap_or_default()) {
+                0 => 0,
+                end => from + end,
+            }
         };
-        let (complete, rest) = data.split_at(complete_end);
-        let out = merge_events(api, prompt, complete);
-        self.held = rest.to_vec();
-        match out {
-            Some(buffer) => Some(buffer),
-            None if !had_held && rest.is_empty() => None,
-            None => Some(complete.to_vec()),
+        if complete_end == 0 {
+            return self.hold(data, Vec::new());
         }
+        let rest = data.get(complete_end..).unwrap_or_default().to_vec();
+        data.truncate(complete_end);
+        let out = merge_events(api, prompt, &data).unwrap_or(data);
+        self.hold(rest, out)
+    }
+
+    /// Keeps `waiting` for its event's end, within the VM's budget, and sends `out`; with no
+    /// room, sends the waiting bytes on after `out` as they are.
+    fn hold(&mut self, waiting: Vec<u8>, mut out: Vec<u8>) -> Option<Vec<u8>> {
+        self.reserved = None;
+        if !waiting.is_empty() {
+            match self.budget.reserve(waiting.capacity()) {
+                Some(reservation) => {
+                    self.reserved = Some(reservation);
+                    self.held = waiting;
+                }
+                None => out.extend_from_slice(&waiting),
+            }
+        }
+        Some(out)
     }
 }
 
@@ -724,7 +767,7 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
         let token = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n";
         let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}\n\n";
         let done = "data: [DONE]\n\n";
-        let mut stream = EventStream::default();
+        let mut stream = EventStream::new(HeldBytes::new(usize::MAX));
         let api = Api::ChatCompletions;
         assert_eq!(
             stream.on_chunk(api, &prefill(api), token.as_bytes(), false),
@@ -756,7 +799,7 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
             let usage = format!(
                 "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}}}{newline}{newline}"
             );
-            let mut stream = EventStream::default();
+            let mut stream = EventStream::new(HeldBytes::new(usize::MAX));
             let api = Api::Completions;
             assert_eq!(
                 stream.on_chunk(api, &prefill(api), token.as_bytes(), false),
@@ -790,7 +833,7 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
             let whole = lf.replace('\n', newline);
             let event_end = newline.repeat(2);
             for cut in 1..whole.len() {
-                let mut stream = EventStream::default();
+                let mut stream = EventStream::new(HeldBytes::new(usize::MAX));
                 let api = Api::Completions;
                 let (first, second) = whole.as_bytes().split_at(cut);
                 let mut out = Vec::new();
@@ -810,5 +853,84 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
                 assert_eq!(text.matches(event_end.as_str()).count(), 3, "{case}");
             }
         }
+    }
+
+    /// Feeds `stream_text` in pieces of the given sizes (cycled) and returns what goes on.
+    fn fed_in_pieces(stream: &mut EventStream, stream_text: &[u8], sizes: &[usize]) -> Vec<u8> {
+        let api = Api::Completions;
+        let mut out = Vec::new();
+        let mut at = 0;
+        for size in sizes.iter().cycle() {
+            let end = (at + size).min(stream_text.len());
+            let chunk = &stream_text[at..end];
+            let last = end == stream_text.len();
+            match stream.on_chunk(api, &prefill(api), chunk, last) {
+                Some(bytes) => out.extend_from_slice(&bytes),
+                None => out.extend_from_slice(chunk),
+            }
+            // No complete event is held back.
+            let fed = &stream_text[..end];
+            if after_last_event(fed) == fed.len() {
+                assert!(
+                    !stream.holds_bytes(),
+                    "held after {:?}",
+                    String::from_utf8_lossy(fed)
+                );
+            }
+            at = end;
+            if last {
+                break;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_stream_fed_in_small_pieces_comes_out_as_fed_whole() {
+        let lf = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}\n\n: ping\n\ndata: [DONE]\n\n";
+        for newline in ["\n", "\r\n", "\r"] {
+            let whole = lf.replace('\n', newline);
+            let unlimited = || EventStream::new(HeldBytes::new(usize::MAX));
+            let at_once = fed_in_pieces(&mut unlimited(), whole.as_bytes(), &[whole.len()]);
+            assert!(String::from_utf8_lossy(&at_once).contains("\"cached_tokens\":2"));
+            for sizes in [&[1][..], &[2], &[3], &[1, 2, 3, 4, 5, 6, 7], &[5, 1]] {
+                let pieces = fed_in_pieces(&mut unlimited(), whole.as_bytes(), sizes);
+                assert_eq!(
+                    String::from_utf8_lossy(&pieces),
+                    String::from_utf8_lossy(&at_once),
+                    "{newline:?} in pieces of {sizes:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn an_event_the_vms_budget_has_no_room_for_goes_on_as_it_is() {
+        let text = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}\n\ndata: [DONE]\n\n";
+        let budget = HeldBytes::new(16);
+        let mut stream = EventStream::new(budget.clone());
+        // Nothing is lost or held past the budget: the cut event goes on unmerged.
+        let out = fed_in_pieces(&mut stream, text.as_bytes(), &[40]);
+        assert_eq!(String::from_utf8_lossy(&out), text);
+        assert_eq!(budget.held(), 0);
+        // With room, the same stream is merged, and the budget is given back at its end.
+        let budget = HeldBytes::new(4096);
+        let mut stream = EventStream::new(budget.clone());
+        let out = fed_in_pieces(&mut stream, text.as_bytes(), &[40]);
+        assert!(String::from_utf8_lossy(&out).contains("\"cached_tokens\":2"));
+        assert_eq!(budget.held(), 0);
+        let mut stream = EventStream::new(budget.clone());
+        assert_eq!(
+            stream.on_chunk(
+                Api::Completions,
+                &prefill(Api::Completions),
+                &text.as_bytes()[..40],
+                false
+            ),
+            Some(Vec::new())
+        );
+        assert!(budget.held() >= 40);
+        drop(stream);
+        assert_eq!(budget.held(), 0);
     }
 }

@@ -357,6 +357,7 @@ fn upstream(status: u16) -> ResponseHead<'static> {
         content_type: Some("application/json"),
         has_request_id: true,
         content_length: Some(b"200"),
+        content_encoding: None,
         end_of_stream: false,
         code_details: Some("via_upstream"),
         decode_connected: None,
@@ -369,6 +370,7 @@ fn unreached(details: &'static str) -> ResponseHead<'static> {
         content_type: Some("text/plain"),
         has_request_id: true,
         content_length: Some(b"200"),
+        content_encoding: None,
         end_of_stream: false,
         code_details: Some(details),
         decode_connected: None,
@@ -1340,6 +1342,38 @@ fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
             BodyStep::Step(Step::new(Flow::Continue, vec![]))
         );
     }
+
+    // A compressed answer (a proxy between the filter and decode may compress one): its bytes
+    // cannot be read, so neither a stream nor a JSON answer is held, read or written.
+    for content_type in ["text/event-stream", "application/json"] {
+        for coding in [&b"gzip"[..], b" br ", b"deflate, gzip"] {
+            let mut s = prefilling_body("", asks_usage);
+            s.on_prefill_answer(1, Some(200), prefill_with_usage(0).as_bytes(), at(5));
+            let head = ResponseHead {
+                content_type: Some(content_type),
+                content_encoding: Some(coding),
+                ..upstream(200)
+            };
+            let step = s.on_response_headers(&head);
+            assert_eq!(step.flow, Flow::Continue, "{content_type}");
+            assert!(!removes_a_response_header(&step.commands));
+            assert_eq!(
+                s.on_response_body(40, false),
+                BodyStep::Step(Step::new(Flow::Continue, vec![])),
+                "{content_type} {coding:?}"
+            );
+        }
+    }
+    // "identity" is no encoding.
+    let mut s = prefilling_body("", asks_usage);
+    s.on_prefill_answer(1, Some(200), prefill_with_usage(0).as_bytes(), at(5));
+    let identity = ResponseHead {
+        content_type: Some("text/event-stream"),
+        content_encoding: Some(b"identity"),
+        ..upstream(200)
+    };
+    s.on_response_headers(&identity);
+    assert_eq!(s.on_response_body(40, false), BodyStep::ReadBody);
 }
 
 #[test]

@@ -173,6 +173,7 @@ impl Request {
             status,
             headers,
             body: String::from_utf8_lossy(&body).into_owned(),
+            bytes: body,
             latency,
             first_bytes: first_bytes.unwrap_or(latency),
         })
@@ -184,6 +185,8 @@ pub struct Reply {
     pub status: u16,
     pub headers: reqwest::header::HeaderMap,
     pub body: String,
+    /// The body as it came, for one that is not text.
+    pub bytes: Vec<u8>,
     /// From sending the request to the end of the reply's body.
     pub latency: Duration,
     /// From sending the request to the first bytes of the reply's body.
