@@ -47,6 +47,7 @@ test: build test-modules envoy python-deps ## Every test: unit, property, mock, 
 	@if [ -e target/native-tests-failed ]; then echo "make test: native tests failed (above)"; exit 1; fi
 
 test-modules: ## Wasm modules only tests load: a filter whose VM crashes on demand
+	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
 	cargo build --release --target $(WASM_TARGET) -p crashing-filter
 
 test-fast: ## Tests without Envoy (seconds): unit (native and wasm32), property, mock servers

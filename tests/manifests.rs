@@ -2287,7 +2287,7 @@ fn envoy_yaml_answers_a_crashed_vm_and_reloads_it_in_envoy() {
     let crashing = repo_root().join("target/wasm32-wasip1/release/crashing_filter.wasm");
     assert!(
         crashing.exists(),
-        "{} is missing: make test builds it",
+        "{} is missing: run `make test-modules` (make test does)",
         crashing.display()
     );
     let filter = wasm_path().display().to_string();

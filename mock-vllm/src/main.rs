@@ -6,8 +6,8 @@ const USAGE: &str = "usage: mock-vllm [--prefill ADDR] [--decode ADDR]  (at leas
 
 Mock vLLM prefill and decode servers for P/D disaggregation. They answer POST /v1/completions,
 /v1/chat/completions, /v1/responses, /v1/messages, /inference/v1/generate and /cohere/v2/chat.
-GET /mock/requests
-lists what a server received, GET /mock/kv (prefill) the KV it issued, read and stranded.
+GET /mock/requests lists what a server received, GET /mock/kv (prefill) the KV it issued,
+read and stranded.
 Faults, asked for anywhere in a request body's text:
   mock:prefill_status=N, mock:decode_status=N   answer status N with a vLLM error body
   mock:prefill_retry_after=N, mock:decode_retry_after=N   with such a status, retry-after: N

@@ -218,9 +218,12 @@ fn check_structured_outputs(obj: &Map<String, Value>) -> Result<(), String> {
                 .into(),
         );
     }
-    let choice = obj.get("tool_choice").unwrap_or(&Value::Null);
-    let open_choice = [json!("none"), json!("auto"), json!("required"), Value::Null];
-    if kinds > 0 && !open_choice.contains(choice) {
+    // Absent reads as "none"; an explicit null is no open choice to vLLM.
+    let open_choice = [json!("none"), json!("auto"), json!("required")];
+    let open = obj
+        .get("tool_choice")
+        .is_none_or(|choice| open_choice.contains(choice));
+    if kinds > 0 && !open {
         return Err(
             "You can only either use constraints for structured outputs or tools, not both.".into(),
         );

@@ -61,8 +61,9 @@ pub struct PreparedRequest {
 pub struct DecodePlan {
     /// Where the JSON text starts in the client's body (after a byte order mark).
     json_start: usize,
-    /// The client asked for prompt logprobs: decode on prefill's KV does not get the request
-    /// for them, prefill's go into its answer.
+    /// The client asked for prompt logprobs in an answer that is not streamed: prefill's go
+    /// into decode's answer. (Decode on prefill's KV never gets the request for them,
+    /// streamed or not.)
     pub prompt_logprobs_from_prefill: bool,
     /// How many copies of prefill's prompt logprobs decode's answer gets: one per choice on
     /// completions (the client's `n`), one on chat.
@@ -183,12 +184,12 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     refuse_nested_kv_transfer_params(&object)?;
     let asks_prompt_logprobs =
         matches!(api, Api::Completions | Api::ChatCompletions) && object.is_set("prompt_logprobs");
-    // vLLM reads `stream` here as Python's truth of the raw value, so "false" streams.
+    // vLLM reads `stream` here as Python's truth of the raw value, so "false" counts.
     let streams = object.last_value("stream").is_some_and(truthy);
     if asks_prompt_logprobs && streams && !streamable_prompt_logprobs(&object) {
         return Err(ClientError::bad_request(
-            "prompt_logprobs cannot be streamed through prefill/decode disaggregation: they \
-             are computed on prefill; ask for them without stream",
+            "`prompt_logprobs` are not available when `stream=True` (any true value of \
+             `stream`); only 0 is accepted with a stream",
         ));
     }
     if matches!(api, Api::Completions | Api::ChatCompletions)
@@ -373,7 +374,11 @@ fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
                 .splice(
                     |key| match key {
                         "tool_choice" => Edit::Slot,
-                        "structured_outputs" if drops_constraints => Edit::Remove,
+                        "structured_outputs" | "guided_json" | "guided_regex" | "guided_choice"
+                            if drops_constraints =>
+                        {
+                            Edit::Remove
+                        }
                         _ => Edit::Keep,
                     },
                     &[],
@@ -430,19 +435,27 @@ fn named_instead_of_required(object: &JsonObject) -> Option<Vec<u8>> {
     Some(named)
 }
 
-/// Whether a chat request's `structured_outputs` sets `json`, `regex` or `choice`. vLLM
-/// refuses those beside a tool named in `tool_choice`, though not beside `"required"`, under
-/// which it replaces them with the tools' own schema: prefill, whose `"required"` becomes a
-/// named tool, goes without them. They constrain the generated tokens, never the prompt.
+/// Whether a chat request sets exactly one output constraint vLLM refuses beside a tool
+/// named in `tool_choice`, though not beside `"required"`: `json`, `regex` or `choice` in
+/// `structured_outputs` (vLLM 0.33), or `guided_json`, `guided_regex` or `guided_choice`
+/// (earlier versions). Prefill, whose `"required"` becomes a named tool, goes without it:
+/// constraints shape the generated tokens, never the prompt, and prefill's one token is not
+/// used. Two or more are refused by vLLM either way, and are left for prefill to refuse.
 fn constrains_output(object: &JsonObject) -> bool {
-    object
+    let outputs = object
         .last_value("structured_outputs")
-        .and_then(|text| JsonObject::parse(text).ok())
-        .is_some_and(|outputs| {
-            ["json", "regex", "choice"]
-                .iter()
-                .any(|key| outputs.is_set(key))
-        })
+        .and_then(|text| JsonObject::parse(text).ok());
+    let nested = outputs.as_ref().map_or(0, |outputs| {
+        ["json", "regex", "choice"]
+            .iter()
+            .filter(|key| outputs.is_set(key))
+            .count()
+    });
+    let legacy = ["guided_json", "guided_regex", "guided_choice"]
+        .iter()
+        .filter(|key| object.is_set(key))
+        .count();
+    nested + legacy == 1
 }
 
 /// For a Messages request whose `tool_choice` names a tool (`{"type":"tool","name":…}`), the
@@ -502,17 +515,14 @@ fn truthy(value: &[u8]) -> bool {
     }
 }
 
-/// Whether vLLM takes a streamed request's `prompt_logprobs`: a number neither above 0 nor
-/// -1 (vLLM's own check; it streams no prompt logprobs). Other values it refuses, as the
-/// filter does; prefill, which gets them unstreamed, refuses a number vLLM cannot take.
+/// Whether vLLM takes a streamed request's `prompt_logprobs`: 0 (or `false`). It refuses
+/// values above 0 and -1 with a stream, and negative ones always.
 fn streamable_prompt_logprobs(object: &JsonObject) -> bool {
     object
         .last_value("prompt_logprobs")
         .is_some_and(|value| match value {
             b"false" => true,
-            b"true" => false,
-            _ => serde_json::from_slice::<f64>(value)
-                .is_ok_and(|number| number <= 0.0 && number != -1.0),
+            _ => serde_json::from_slice::<f64>(value).is_ok_and(|number| number == 0.0),
         })
 }
 
@@ -591,6 +601,8 @@ pub fn minimal_kv_release_body(model: Option<&str>, kv_transfer_params: &[u8]) -
 /// limits are in `sampling_params` ([`one_token_body`]); it has no top-level `max_tokens`.
 fn one_token_splice(api: Api, object: &JsonObject, kv: Edit) -> Splice {
     const ONE: &[u8] = b"1";
+    let streamed_prompt_logprobs =
+        matches!(api, Api::Completions | Api::ChatCompletions) && object.is_true("stream");
     let edit = |key: &str| match key {
         "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n"
             if api != Api::Generate =>
@@ -604,6 +616,8 @@ fn one_token_splice(api: Api, object: &JsonObject, kv: Edit) -> Splice {
         "store" if api == Api::Responses => Edit::Replace(b"false"),
         KV_TRANSFER_PARAMS => kv,
         "min_tokens" | "min_completion_tokens" | "stream_options" => Edit::Remove,
+        // Streamed, vLLM computes them (reading no prefix cache to do so) and sends none.
+        "prompt_logprobs" if streamed_prompt_logprobs => Edit::Remove,
         _ => Edit::Keep,
     };
     let mut append: Vec<(&'static str, Edit)> = Vec::with_capacity(5);
@@ -699,11 +713,19 @@ mod tests {
             assert_eq!(decode["structured_outputs"], client["structured_outputs"]);
             assert_eq!(decode["tool_choice"], "required");
         }
+        // vLLM 0.11's top-level spellings go the same way.
+        let legacy = format!(
+            r#"{{"messages":[],"tools":{tools},"tool_choice":"required","guided_regex":"a+"}}"#
+        );
+        let prefill = prefill_json(Api::ChatCompletions, &legacy);
+        assert_eq!(prefill["tool_choice"]["function"]["name"], "f");
+        assert!(prefill.get("guided_regex").is_none(), "{prefill}");
         // Constraints vLLM allows beside a named tool stay, as do all where the choice is
-        // the client's own.
+        // the client's own, and two kinds at once, which vLLM refuses whatever the choice.
         for (choice, constraint) in [
             (r#""required""#, r#"{"grammar":"root ::= \"a\""}"#),
             (r#""required""#, r#"{"regex":null}"#),
+            (r#""required""#, r#"{"regex":"a","choice":["b"]}"#),
             (r#""auto""#, r#"{"regex":"a+"}"#),
             (r#""none""#, r#"{"json":{}}"#),
         ] {
@@ -1174,10 +1196,11 @@ mod tests {
     #[test]
     fn streamed_prompt_logprobs_are_refused_where_vllm_refuses_them() {
         // vLLM refuses values above 0 and -1 with a stream, reading `stream` as Python's
-        // truth of the raw value (so "false" streams), and takes the rest.
+        // truth of the raw value (so "false" counts), and negative values always.
         for refused in [
             r#""prompt_logprobs":1,"stream":true"#,
             r#""prompt_logprobs":-1,"stream":true"#,
+            r#""prompt_logprobs":-5,"stream":true"#,
             r#""prompt_logprobs":0.5,"stream":true"#,
             r#""prompt_logprobs":true,"stream":true"#,
             r#""prompt_logprobs":"0","stream":true"#,
@@ -1190,12 +1213,13 @@ mod tests {
                 assert_eq!(error.status, 400, "{body}");
             }
         }
-        // Taken: a stream carries none, so decode goes without them and prefill's are not
-        // kept; prefill, unstreamed, still checks the value as vLLM would.
+        // 0 is taken. A stream carries none: neither leg is asked for them (vLLM computes
+        // them without its prefix cache). Where `stream` reads as false to pydantic, the
+        // answer is not streamed and prefill's go into it.
         for (taken, streamed) in [
             (r#""prompt_logprobs":0,"stream":true"#, true),
             (r#""prompt_logprobs":false,"stream":true"#, true),
-            (r#""prompt_logprobs":-5,"stream":true"#, true),
+            (r#""prompt_logprobs":-0.0,"stream":"yes""#, true),
             (r#""prompt_logprobs":0,"stream":"false""#, false),
         ] {
             let body = format!(r#"{{"prompt":"a",{taken}}}"#);
@@ -1206,7 +1230,12 @@ mod tests {
             );
             let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
             let client: Value = serde_json::from_str(&body).unwrap();
-            assert_eq!(prefill["prompt_logprobs"], client["prompt_logprobs"]);
+            let expected = if streamed {
+                Value::Null
+            } else {
+                client["prompt_logprobs"].clone()
+            };
+            assert_eq!(prefill["prompt_logprobs"], expected, "{body}");
             assert_eq!(prefill["stream"], false);
             let decode = prepared.decode.body_with_kv(body.as_bytes(), b"{}");
             let decode: Value = serde_json::from_slice(&decode).unwrap();

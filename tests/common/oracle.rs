@@ -126,21 +126,46 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
     let sent = members(client_text)?;
     let got = members(prefill_text)?;
     let responses = path == "/v1/responses";
-    // A chat request's "required" tool choice names a tool on prefill, and output
-    // constraints vLLM refuses beside one go (checked by their tests).
+    // A chat request's "required" tool choice names a tool on prefill, and the one output
+    // constraint vLLM refuses beside a named tool goes (checked by their tests).
     let names_a_tool = path == "/v1/chat/completions"
         && sent
             .iter()
             .rev()
             .find(|(key, _)| key == "tool_choice")
             .is_some_and(|(_, value)| value.get() == r#""required""#);
+    let last = |key: &str| -> Value {
+        sent.iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .and_then(|(_, raw)| serde_json::from_str(raw.get()).ok())
+            .unwrap_or(Value::Null)
+    };
+    let outputs = last("structured_outputs");
+    let constraints = ["json", "regex", "choice"]
+        .iter()
+        .filter(|kind| !outputs[**kind].is_null())
+        .count()
+        + ["guided_json", "guided_regex", "guided_choice"]
+            .iter()
+            .filter(|key| !last(key).is_null())
+            .count();
+    let drops_constraint = names_a_tool && constraints == 1;
     let edited = |key: &str| {
         CAPPED.contains(&key)
             || REMOVED.contains(&key)
             || key == "stream"
             || key == KV
             || (responses && (key == "store" || key == "background"))
-            || (names_a_tool && (key == "tool_choice" || key == "structured_outputs"))
+            || (names_a_tool && key == "tool_choice")
+            || (drops_constraint
+                && [
+                    "structured_outputs",
+                    "guided_json",
+                    "guided_regex",
+                    "guided_choice",
+                ]
+                .contains(&key))
     };
     let kept = |members: &[(String, &RawValue)]| -> Vec<(String, String)> {
         members
