@@ -1,6 +1,7 @@
 //! Property tests (a fuzzer on stable Rust) of the prefill rewrite and the decode injection:
 //! arbitrary bytes never panic; for any JSON object, decode gets the client's exact bytes with
-//! only `kv_transfer_params` changed, and prefill gets every limit capped; the scanner's SIMD
+//! only `kv_transfer_params` changed (and prompt logprobs it cannot compute removed), and
+//! prefill gets every limit capped and the rewrite rules applied; the scanner's SIMD
 //! mask of string bytes marks exactly what its portable one does.
 //!
 //! `PD_PROPTEST_CASES` sets the number of cases per property (default 2,000).
@@ -37,7 +38,53 @@ const KEYS: &[&str] = &[
     "temperature",
     "seed",
     "é",
+    "prompt_logprobs",
+    "tool_choice",
+    "tools",
+    "structured_outputs",
+    "guided_regex",
 ];
+
+/// A value for `key`: for the keys whose meaning the rewrite reads, a mix of the values that
+/// matter and arbitrary ones.
+fn value_for(key: &'static str) -> BoxedStrategy<String> {
+    let picked = |values: &'static [&'static str]| {
+        prop_oneof![
+            3 => prop::sample::select(values).prop_map(str::to_owned),
+            1 => json_value(),
+        ]
+        .boxed()
+    };
+    match key {
+        "stream" => picked(&["true", "false", "1", "0", "\"false\"", "\"yes\"", "null"]),
+        "prompt_logprobs" => picked(&[
+            "0", "1", "-1", "false", "true", "0.0", "-0.0", "\"0\"", "null",
+        ]),
+        "tool_choice" => picked(&[
+            "\"required\"",
+            "\"required\"",
+            "\"auto\"",
+            "\"none\"",
+            "null",
+        ]),
+        "tools" => picked(&[
+            r#"[{"type":"function","function":{"name":"f"}}]"#,
+            r#"[{"function":{"name":"a","name":"b"}},{"function":{"name":"c"}}]"#,
+            r#"[{"function":{"parameters":{}}}]"#,
+            "[]",
+        ]),
+        "structured_outputs" => picked(&[
+            r#"{"regex":"a+"}"#,
+            r#"{"json":{"type":"object"}}"#,
+            r#"{"choice":["a"],"regex":null}"#,
+            r#"{"regex":"a","choice":["b"]}"#,
+            r#"{"grammar":"g"}"#,
+            "null",
+        ]),
+        "guided_regex" => picked(&["\"a+\"", "null"]),
+        _ => json_value().boxed(),
+    }
+}
 
 fn json_value() -> impl Strategy<Value = String> {
     let leaf = prop_oneof![
@@ -72,21 +119,40 @@ fn whitespace() -> impl Strategy<Value = String> {
 
 /// A JSON object as text: keys may repeat, spacing varies.
 fn json_object() -> impl Strategy<Value = String> {
+    object_of(KEYS, 10)
+}
+
+/// Keys of requests with tools and prompt logprobs, where the rewrite reads several members
+/// together: drawn often enough (some twice as often) that their combinations come up.
+const FOCUSED_KEYS: &[&str] = &[
+    "tools",
+    "tools",
+    "tool_choice",
+    "tool_choice",
+    "structured_outputs",
+    "structured_outputs",
+    "guided_regex",
+    "stream",
+    "prompt_logprobs",
+    "messages",
+    "max_tokens",
+];
+
+fn object_of(keys: &'static [&'static str], most: usize) -> impl Strategy<Value = String> {
     prop::collection::vec(
         (
-            prop::sample::select(KEYS),
-            json_value(),
+            prop::sample::select(keys).prop_flat_map(|key| (Just(key), value_for(key))),
             whitespace(),
             whitespace(),
             any::<bool>(),
         ),
-        0..10,
+        0..most,
     )
     .prop_flat_map(|members| (Just(members), whitespace(), whitespace()))
     .prop_map(|(members, lead, tail)| {
         let members: Vec<String> = members
             .into_iter()
-            .map(|(key, value, ws1, ws2, escape)| {
+            .map(|((key, value), ws1, ws2, escape)| {
                 let key = if escape && key == "max_tokens" {
                     "max\\u005ftokens".to_owned()
                 } else {
@@ -109,9 +175,9 @@ fn api() -> impl Strategy<Value = Api> {
 
 /// The object as a JSON parser that keeps the last duplicate (like Python's) sees it.
 /// The prepared request; `None` when the filter refused it as vLLM would: a completions
-/// `prompt` that lists several prompts (strings or token lists), or `stream_options` without
-/// `stream` (Python's truth of each), which is then checked to be so. Every other object is
-/// accepted.
+/// `prompt` that lists several prompts (strings or token lists), `stream_options` without
+/// `stream` (Python's truth of each), or `prompt_logprobs` other than 0 with `stream`, which
+/// is then checked to be so. Every other object is accepted.
 fn prepared_unless_several_prompts(api: Api, text: &str) -> Option<PreparedRequest> {
     match prepare(api, text.as_bytes()) {
         Ok(prepared) => Some(prepared),
@@ -133,8 +199,16 @@ fn prepared_unless_several_prompts(api: Api, text: &str) -> Option<PreparedReque
             let options_without_stream = api != Api::Responses
                 && truthy(&field("stream_options"))
                 && !truthy(&field("stream"));
+            // vLLM refuses prompt logprobs other than 0 with a stream (Python's truth).
+            let zero = |value: &Value| *value == Value::Bool(false) || value.as_f64() == Some(0.0);
+            let streamed_prompt_logprobs = api != Api::Responses
+                && !field("prompt_logprobs").is_null()
+                && truthy(&field("stream"))
+                && !zero(&field("prompt_logprobs"));
             assert!(
-                (api == Api::Completions && several) || options_without_stream,
+                (api == Api::Completions && several)
+                    || options_without_stream
+                    || streamed_prompt_logprobs,
                 "refused: {text}: {}",
                 error.message
             );
@@ -158,6 +232,28 @@ fn top_level_count(text: &[u8], key: &str) -> usize {
         .iter()
         .filter(|member| member.key == key)
         .count()
+}
+
+/// A value as pydantic's lax bool reads true: `true`, a number equal to 1, or a string such
+/// as "true", "yes", "on", "1" in any case.
+fn lax_true(value: Option<&Value>) -> bool {
+    match value {
+        Some(Value::Bool(flag)) => *flag,
+        Some(Value::Number(number)) => number.as_f64() == Some(1.0),
+        Some(Value::String(text)) => ["true", "1", "yes", "on", "t", "y"]
+            .iter()
+            .any(|word| text.trim().eq_ignore_ascii_case(word)),
+        _ => false,
+    }
+}
+
+/// Whether the prompt logprobs of a request go to decode: never on completions and chat, where
+/// decode on prefill's KV cannot compute them.
+fn decode_drops_prompt_logprobs(api: Api, original: &Map<String, Value>) -> bool {
+    api != Api::Responses
+        && original
+            .get("prompt_logprobs")
+            .is_some_and(|v| !v.is_null())
 }
 
 proptest! {
@@ -240,6 +336,10 @@ proptest! {
         prop_assert!(decode.len() <= text.len() + kv.len() + 32);
 
         let mut expected = parse_last_wins(text.as_bytes());
+        let drops_prompt_logprobs = decode_drops_prompt_logprobs(api, &expected);
+        if drops_prompt_logprobs {
+            expected.remove("prompt_logprobs");
+        }
         expected.insert("kv_transfer_params".to_owned(), serde_json::from_str(&kv).unwrap());
         prop_assert_eq!(parse_last_wins(&decode), expected);
 
@@ -247,7 +347,7 @@ proptest! {
         // first member where the client sent none, and only the head is written then.
         let edit = prepared.decode.edit_with_kv(text.as_bytes(), kv.as_bytes());
         let decode_text = String::from_utf8(decode).unwrap();
-        if !text.contains("\"kv_transfer_params\"") {
+        if !text.contains("\"kv_transfer_params\"") && !drops_prompt_logprobs {
             // Whitespace before the brace is not written again when only the head is.
             let lead = if text.contains(':') { text.find('{').unwrap() } else { 0 };
             prop_assert_eq!(decode_text.len(), text.len() - lead + kv.len() + "\"kv_transfer_params\":".len() + usize::from(text.contains(':')));
@@ -268,49 +368,121 @@ proptest! {
 
     #[test]
     fn prefill_has_every_limit_capped(api in api(), text in json_object()) {
-        let Some(prepared) = prepared_unless_several_prompts(api, &text) else {
-            return Ok(());
-        };
-        let original = parse_last_wins(text.as_bytes());
-        let prefill = parse_last_wins(&prepared.prefill_body);
-        prop_assert_eq!(top_level_count(&prepared.prefill_body, "kv_transfer_params"), 1);
-        prop_assert!(prepared.prefill_body.len() <= text.len() + REMOTE_DECODE_REQUEST.len() + 96);
-        let one = Value::from(1);
+        check_prefill(api, &text)?;
+    }
 
-        // Responses has no max_tokens: capped where the client sent one, never added.
-        if api == Api::Responses {
-            prop_assert_eq!(prefill.get("max_tokens"), original.get("max_tokens").map(|_| &one));
-            prop_assert_eq!(prefill.get("store"), Some(&Value::Bool(false)));
-            let background = original.get("background").map(|_| Value::Bool(false));
-            prop_assert_eq!(prefill.get("background"), background.as_ref());
-        } else {
-            prop_assert_eq!(prefill.get("max_tokens"), Some(&one));
-        }
-        for key in ["max_completion_tokens", "n"] {
-            prop_assert_eq!(prefill.get(key), original.get(key).map(|_| &one));
-        }
-        if api == Api::Responses || original.contains_key("max_output_tokens") {
-            prop_assert_eq!(prefill.get("max_output_tokens"), Some(&one));
-        } else {
-            prop_assert!(!prefill.contains_key("max_output_tokens"));
-        }
-        prop_assert_eq!(prefill.get("stream"), Some(&Value::Bool(false)));
-        for key in ["min_tokens", "min_completion_tokens", "stream_options"] {
-            prop_assert!(!prefill.contains_key(key));
-        }
-        let remote_decode: Value = serde_json::from_slice(REMOTE_DECODE_REQUEST).unwrap();
-        prop_assert_eq!(prefill.get("kv_transfer_params"), Some(&remote_decode));
-        for (key, value) in &original {
-            let rewritten = [
-                "max_tokens", "max_completion_tokens", "max_output_tokens", "n", "stream",
-                "min_tokens", "min_completion_tokens", "stream_options", "kv_transfer_params",
-            ];
-            let responses_only = ["store", "background"];
-            let rewritten_here =
-                api == Api::Responses && responses_only.contains(&key.as_str());
-            if !rewritten.contains(&key.as_str()) && !rewritten_here {
-                prop_assert_eq!(prefill.get(key), Some(value));
-            }
+}
+
+proptest! {
+    // Five times as many cases: the combinations that matter are a few in a thousand.
+    #![proptest_config(ProptestConfig { cases: cases() * 5, ..ProptestConfig::default() })]
+
+    /// The same, on requests made mostly of tools, constraints, streams and prompt logprobs.
+    #[test]
+    fn prefill_of_tool_and_logprob_requests(
+        api in prop_oneof![Just(Api::ChatCompletions), Just(Api::Completions)],
+        text in object_of(FOCUSED_KEYS, 8),
+    ) {
+        check_prefill(api, &text)?;
+    }
+}
+
+/// Prefill's body for `text`: every limit capped, not streamed, the KV request, and every
+/// other member as the client sent it but where the rewrite's rules say otherwise.
+fn check_prefill(api: Api, text: &str) -> Result<(), TestCaseError> {
+    let Some(prepared) = prepared_unless_several_prompts(api, text) else {
+        return Ok(());
+    };
+    let original = parse_last_wins(text.as_bytes());
+    let prefill = parse_last_wins(&prepared.prefill_body);
+    prop_assert_eq!(
+        top_level_count(&prepared.prefill_body, "kv_transfer_params"),
+        1
+    );
+    prop_assert!(prepared.prefill_body.len() <= text.len() + REMOTE_DECODE_REQUEST.len() + 96);
+    let one = Value::from(1);
+
+    // Responses has no max_tokens: capped where the client sent one, never added.
+    if api == Api::Responses {
+        prop_assert_eq!(
+            prefill.get("max_tokens"),
+            original.get("max_tokens").map(|_| &one)
+        );
+        prop_assert_eq!(prefill.get("store"), Some(&Value::Bool(false)));
+        let background = original.get("background").map(|_| Value::Bool(false));
+        prop_assert_eq!(prefill.get("background"), background.as_ref());
+    } else {
+        prop_assert_eq!(prefill.get("max_tokens"), Some(&one));
+    }
+    for key in ["max_completion_tokens", "n"] {
+        prop_assert_eq!(prefill.get(key), original.get(key).map(|_| &one));
+    }
+    if api == Api::Responses || original.contains_key("max_output_tokens") {
+        prop_assert_eq!(prefill.get("max_output_tokens"), Some(&one));
+    } else {
+        prop_assert!(!prefill.contains_key("max_output_tokens"));
+    }
+    prop_assert_eq!(prefill.get("stream"), Some(&Value::Bool(false)));
+    for key in ["min_tokens", "min_completion_tokens", "stream_options"] {
+        prop_assert!(!prefill.contains_key(key));
+    }
+    let remote_decode: Value = serde_json::from_slice(REMOTE_DECODE_REQUEST).unwrap();
+    prop_assert_eq!(prefill.get("kv_transfer_params"), Some(&remote_decode));
+    // A stream carries no prompt logprobs: prefill is not asked for them.
+    let streamed = lax_true(original.get("stream"));
+    let drops_prompt_logprobs = api != Api::Responses && streamed;
+    if drops_prompt_logprobs {
+        prop_assert!(!prefill.contains_key("prompt_logprobs"));
+    }
+    // Chat's "required" names the first tool, and the one output constraint vLLM refuses
+    // beside a named tool goes.
+    let first_tool_name = original
+        .get("tools")
+        .and_then(|tools| tools.get(0))
+        .and_then(|tool| tool.get("function"))
+        .and_then(|function| function.get("name"))
+        .and_then(Value::as_str);
+    let names_a_tool = api == Api::ChatCompletions
+        && original.get("tool_choice") == Some(&Value::from("required"))
+        && first_tool_name.is_some();
+    let outputs = original
+        .get("structured_outputs")
+        .cloned()
+        .unwrap_or(Value::Null);
+    let constraints = ["json", "regex", "choice"]
+        .iter()
+        .filter(|kind| outputs.get(**kind).is_some_and(|v| !v.is_null()))
+        .count()
+        + usize::from(original.get("guided_regex").is_some_and(|v| !v.is_null()));
+    let drops_constraint = names_a_tool && constraints == 1;
+    if let (true, Some(name)) = (names_a_tool, first_tool_name) {
+        let named = serde_json::json!({"type": "function", "function": {"name": name}});
+        prop_assert_eq!(prefill.get("tool_choice"), Some(&named));
+    }
+    if drops_constraint {
+        prop_assert!(!prefill.contains_key("structured_outputs"));
+        prop_assert!(!prefill.contains_key("guided_regex"));
+    }
+    for (key, value) in &original {
+        let rewritten = [
+            "max_tokens",
+            "max_completion_tokens",
+            "max_output_tokens",
+            "n",
+            "stream",
+            "min_tokens",
+            "min_completion_tokens",
+            "stream_options",
+            "kv_transfer_params",
+        ];
+        let responses_only = ["store", "background"];
+        let rewritten_here = (api == Api::Responses && responses_only.contains(&key.as_str()))
+            || (drops_prompt_logprobs && key == "prompt_logprobs")
+            || (names_a_tool && key == "tool_choice")
+            || (drops_constraint && (key == "structured_outputs" || key == "guided_regex"));
+        if !rewritten.contains(&key.as_str()) && !rewritten_here {
+            prop_assert_eq!(prefill.get(key), Some(value));
         }
     }
+    Ok(())
 }
