@@ -194,7 +194,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     }
     if matches!(api, Api::Completions | Api::ChatCompletions)
         && object.last_value("stream_options").is_some_and(truthy)
-        && !object.last_value("stream").is_some_and(truthy)
+        && !streams
     {
         // vLLM's own check, made before prefill runs for a request decode would refuse.
         return Err(ClientError::bad_request(
@@ -251,7 +251,16 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
              disaggregation on this API: decode does not compute the prompt",
         ));
     }
-    let prefill_body = one_token_body(api, &object, REMOTE_DECODE_REQUEST);
+    // What pydantic reads: whether the answer is streamed.
+    let streamed = object.is_true("stream");
+    // A stream carries no prompt logprobs: vLLM computes them (without its prefix cache)
+    // and sends none, so prefill is not asked for them.
+    let prefill_body = one_token_body(
+        api,
+        &object,
+        REMOTE_DECODE_REQUEST,
+        matches!(api, Api::Completions | Api::ChatCompletions) && streamed,
+    );
 
     let has_client_kv = object.has(KV_TRANSFER_PARAMS);
     // Decode on prefill's KV never computes the prompt: its prompt logprobs come from
@@ -274,8 +283,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
         .then(|| object.open_brace() + 1);
     let decode = DecodePlan {
         json_start,
-        // A stream carries no prompt logprobs.
-        prompt_logprobs_from_prefill: asks_prompt_logprobs && !object.is_true("stream"),
+        prompt_logprobs_from_prefill: asks_prompt_logprobs && !streamed,
         prompt_logprobs_copies: match api {
             Api::Completions if asks_prompt_logprobs => {
                 object.last_value("n").and_then(lax_count).unwrap_or(1)
@@ -358,8 +366,13 @@ fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientErr
 }
 
 /// The client's body (`object`) capped to one generated token, not streamed, with `kv` as
-/// its `kv_transfer_params`.
-fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
+/// its `kv_transfer_params`, and without `prompt_logprobs` where `drops_prompt_logprobs`.
+fn one_token_body(
+    api: Api,
+    object: &JsonObject,
+    kv: &[u8],
+    drops_prompt_logprobs: bool,
+) -> Vec<u8> {
     let text = object.text();
     let tool_choice = match api {
         Api::ChatCompletions => named_instead_of_required(object),
@@ -367,7 +380,8 @@ fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
         _ => None,
     };
     if let Some(tool_choice) = tool_choice {
-        let capped = one_token_splice(api, object, Edit::Slot).write(text, kv);
+        let capped =
+            one_token_splice(api, object, Edit::Slot, drops_prompt_logprobs).write(text, kv);
         let drops_constraints = api == Api::ChatCompletions && constrains_output(object);
         return match JsonObject::parse(&capped) {
             Ok(capped_object) => capped_object
@@ -388,7 +402,7 @@ fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
         };
     }
     if api != Api::Generate {
-        return one_token_splice(api, object, Edit::Slot).write(text, kv);
+        return one_token_splice(api, object, Edit::Slot, drops_prompt_logprobs).write(text, kv);
     }
     // The tokens-in API keeps its limits in `sampling_params`: that object is rewritten
     // first, then the top level gets the KV parameters.
@@ -404,7 +418,9 @@ fn one_token_body(api: Api, object: &JsonObject, kv: &[u8]) -> Vec<u8> {
         None => text.to_vec(),
     };
     match JsonObject::parse(&capped) {
-        Ok(capped_object) => one_token_splice(api, &capped_object, Edit::Slot).write(&capped, kv),
+        Ok(capped_object) => {
+            one_token_splice(api, &capped_object, Edit::Slot, false).write(&capped, kv)
+        }
         Err(_) => capped,
     }
 }
@@ -599,10 +615,13 @@ pub fn minimal_kv_release_body(model: Option<&str>, kv_transfer_params: &[u8]) -
 /// `kv` as its `kv_transfer_params` (for prefill: asking for remote decode). Each field that
 /// is edited appears once, however often the client repeated it. The tokens-in API's own
 /// limits are in `sampling_params` ([`one_token_body`]); it has no top-level `max_tokens`.
-fn one_token_splice(api: Api, object: &JsonObject, kv: Edit) -> Splice {
+fn one_token_splice(
+    api: Api,
+    object: &JsonObject,
+    kv: Edit,
+    drops_prompt_logprobs: bool,
+) -> Splice {
     const ONE: &[u8] = b"1";
-    let streamed_prompt_logprobs =
-        matches!(api, Api::Completions | Api::ChatCompletions) && object.is_true("stream");
     let edit = |key: &str| match key {
         "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n"
             if api != Api::Generate =>
@@ -616,8 +635,7 @@ fn one_token_splice(api: Api, object: &JsonObject, kv: Edit) -> Splice {
         "store" if api == Api::Responses => Edit::Replace(b"false"),
         KV_TRANSFER_PARAMS => kv,
         "min_tokens" | "min_completion_tokens" | "stream_options" => Edit::Remove,
-        // Streamed, vLLM computes them (reading no prefix cache to do so) and sends none.
-        "prompt_logprobs" if streamed_prompt_logprobs => Edit::Remove,
+        "prompt_logprobs" if drops_prompt_logprobs => Edit::Remove,
         _ => Edit::Keep,
     };
     let mut append: Vec<(&'static str, Edit)> = Vec::with_capacity(5);
