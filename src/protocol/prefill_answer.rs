@@ -81,8 +81,7 @@ impl PrefillFailure {
     pub fn is_retryable(&self) -> bool {
         match self.kind {
             FailureKind::Unreachable => true,
-            FailureKind::Reset => self.error.status == 503,
-            FailureKind::Status => self.error.status == 503,
+            FailureKind::Reset | FailureKind::Status => self.error.status == 503,
             FailureKind::Timeout | FailureKind::NoKvTransferParams => false,
         }
     }
