@@ -144,14 +144,7 @@ fn gunzip_stored(bytes: &[u8]) -> Option<Vec<u8>> {
             break;
         }
     }
-    let mut crc = !0u32;
-    for &byte in &plain {
-        crc ^= u32::from(byte);
-        for _ in 0..8 {
-            crc = (crc >> 1) ^ (0xedb8_8320 & (crc & 1).wrapping_neg());
-        }
-    }
-    (rest.get(..4)? == (!crc).to_le_bytes()).then_some(plain)
+    (rest.get(..4)? == mock_vllm::crc32(&plain).to_le_bytes()).then_some(plain)
 }
 
 /// Decode is never asked to compress, but a proxy in front of it may: a compressed answer

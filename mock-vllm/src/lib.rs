@@ -683,6 +683,22 @@ fn gzip_response(answer: &Answer, parsed: &Parsed, pace: Duration) -> Response<B
     resp
 }
 
+/// The gzip checksum (CRC-32) of `bytes`.
+pub fn crc32(bytes: &[u8]) -> u32 {
+    !crc32_update(!0, bytes)
+}
+
+/// CRC-32 (bit by bit: the mock's answers are small) carried on over `bytes`.
+fn crc32_update(mut crc: u32, bytes: &[u8]) -> u32 {
+    for &byte in bytes {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = (crc >> 1) ^ (0xedb8_8320 & (crc & 1).wrapping_neg());
+        }
+    }
+    crc
+}
+
 /// `chunks` as one gzip stream in as many pieces: the header with the first, a stored block
 /// for each, the last block and the trailer after them.
 fn gzip_stored(chunks: &[Bytes]) -> Vec<Bytes> {
@@ -701,12 +717,7 @@ fn gzip_stored(chunks: &[Bytes]) -> Vec<Bytes> {
             piece.extend_from_slice(&(!len).to_le_bytes());
             piece.extend_from_slice(block);
         }
-        for &byte in chunk.iter() {
-            crc ^= u32::from(byte);
-            for _ in 0..8 {
-                crc = (crc >> 1) ^ (0xedb8_8320 & (crc & 1).wrapping_neg());
-            }
-        }
+        crc = crc32_update(crc, chunk);
         size = size.wrapping_add(chunk.len() as u32);
         pieces.push(Bytes::from(piece));
     }
@@ -743,4 +754,16 @@ async fn read_remote_kv(kv: Option<&Value>) {
     };
     // A prefill that cannot be told just keeps its blocks (and shows them as stranded).
     let _ = tokio::time::timeout(Duration::from_secs(2), notify).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gzip_checksum_is_crc32() {
+        // zlib.crc32(b"hello") in Python.
+        assert_eq!(crc32(b"hello"), 0x3610_a686);
+        assert_eq!(crc32(b""), 0);
+    }
 }
