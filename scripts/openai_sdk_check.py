@@ -7,6 +7,7 @@ mock decode's text and usage counted as one vLLM would (prefill's cached_tokens)
 arrive as the SDK's typed exceptions. Prints one line per check; exits 1 on the first failure.
 """
 
+import asyncio
 import sys
 
 import openai
@@ -102,6 +103,24 @@ def main(base_url):
             check(name, False, "no error raised")
         except expected as error:
             check(f"{name} is {expected.__name__}", error.body and "message" in error.body, error.body)
+
+    asyncio.run(oversized_upload(base_url))
+
+
+async def oversized_upload(base_url):
+    """The async client writes a whole body before it reads the answer: a body over the
+    filter's limit (8 MiB by default; an inline image, say) must get the typed 413, not a
+    connection error."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+    image = {"url": "data:image/png;base64," + "A" * (10 * 1024 * 1024)}
+    content = [{"type": "image_url", "image_url": image}]
+    try:
+        await client.chat.completions.create(
+            model="m", max_tokens=5, messages=[{"role": "user", "content": content}]
+        )
+        check("oversized upload", False, "no error raised")
+    except openai.APIStatusError as error:
+        check("oversized upload is a 413", error.status_code == 413, error)
 
 
 if __name__ == "__main__":

@@ -524,6 +524,12 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
                 );
             }
         }
+        Command::DiscardRequestBody(len) => {
+            if let Err(status) = host::set_buffer(BufferType::HttpRequestBody, 0, len, &[]) {
+                log::debug!("[{}] could not drop the upload: {status:?}", request_id());
+                return session.borrow_mut().on_discard_failed();
+            }
+        }
         Command::SendReply(reply) => {
             if let Err(status) = host::send_reply(reply.status, &reply.headers, &reply.body) {
                 log::error!(

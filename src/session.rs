@@ -41,6 +41,11 @@ const DELIVERY_WINDOW: Duration = Duration::from_secs(2);
 /// answer that still outgrows the limit goes on as decode wrote it.
 const REST_OF_ANSWER: usize = 64 * 1024;
 
+/// The upload of a request refused before its body ended is read and dropped, up to this many
+/// times `max_request_body_bytes`, before the answer goes out; a larger one is answered at
+/// once, and Envoy closes an HTTP/1.1 connection under it.
+const REFUSED_UPLOAD_READ_FACTOR: usize = 4;
+
 /// The filter state key of the prefill time in milliseconds: Envoy's access log reads it as
 /// `%FILTER_STATE(wasm.pd_prefill_ms:PLAIN)%`.
 pub const PREFILL_TIME_FILTER_STATE: &str = "pd_prefill_ms";
@@ -98,6 +103,10 @@ pub enum Command {
     ReleaseKv(HttpCall),
     /// Answers the client; the request goes no further.
     SendReply(LocalReply),
+    /// Drops the first `len` bytes of the request body Envoy holds: the upload of a request
+    /// already refused, read to its end before the answer ([`Session::on_discard_failed`]
+    /// when the host refuses).
+    DiscardRequestBody(usize),
     AddResponseHeader {
         name: String,
         value: String,
@@ -206,6 +215,16 @@ pub struct Session {
     /// This request's place in `abandoned` once its client has left during prefill: given
     /// back when the session goes, after prefill's answer.
     _abandoned_mark: Option<AbandonedMark>,
+    upload: Upload,
+}
+
+/// The client's request body, as far as the filter has seen it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Upload {
+    /// Whole, or there is none.
+    Ended,
+    /// Still arriving; `declared` is its content-length.
+    Arriving { declared: Option<usize> },
 }
 
 enum State {
@@ -250,6 +269,12 @@ enum State {
         /// Prefill's prompt logprobs as it wrote them, to put into decode's answer.
         prompt_logprobs: Option<HeldLogprobs>,
         answer: AnswerRewrite,
+    },
+    /// The filter refused the request while its body was still arriving: the rest of the
+    /// body is dropped as it comes, and `reply` goes out at its end.
+    Refusing {
+        reply: LocalReply,
+        received: usize,
     },
     /// The filter answered the client.
     Answered,
@@ -442,6 +467,7 @@ impl Session {
             abandoned: AbandonedPrefills::default(),
             client: None,
             _abandoned_mark: None,
+            upload: Upload::Ended,
         }
     }
 
@@ -450,6 +476,24 @@ impl Session {
     }
 
     pub fn on_request_headers<H: HeaderLookup + ?Sized>(
+        &mut self,
+        headers: &H,
+        end_of_stream: bool,
+    ) -> Step {
+        self.upload = if end_of_stream {
+            Upload::Ended
+        } else {
+            Upload::Arriving {
+                declared: headers
+                    .text("content-length")
+                    .and_then(|value| value.trim().parse::<usize>().ok()),
+            }
+        };
+        let step = self.request_headers_step(headers, end_of_stream);
+        self.answer_after_upload(step, 0, true)
+    }
+
+    fn request_headers_step<H: HeaderLookup + ?Sized>(
         &mut self,
         headers: &H,
         end_of_stream: bool,
@@ -510,9 +554,10 @@ impl Session {
             commands.extend(self.reject(&ClientError::bad_request("request body is empty")));
             return Step::new(Flow::Pause, commands);
         }
-        let declared_length = headers
-            .text("content-length")
-            .and_then(|v| v.trim().parse::<usize>().ok());
+        let declared_length = match self.upload {
+            Upload::Arriving { declared } => declared,
+            Upload::Ended => None,
+        };
         if declared_length.is_some_and(|length| length > config.max_request_body_bytes) {
             commands.extend(self.reject(&ClientError::payload_too_large(
                 config.max_request_body_bytes,
@@ -590,12 +635,27 @@ impl Session {
         Step::new(flow, commands)
     }
 
-    /// `buffered` is the size of the body received so far.
+    /// `buffered` is the size of the body Envoy holds (all of it received so far, but for
+    /// what a refused request's upload dropped).
     pub fn on_request_body(&mut self, buffered: usize, end_of_stream: bool) -> BodyStep {
-        match &self.state {
+        if end_of_stream {
+            self.upload = Upload::Ended;
+        }
+        let readable = self.readable_refused_upload();
+        match &mut self.state {
+            State::Refusing { received, .. } => {
+                *received = received.saturating_add(buffered);
+                let step = if end_of_stream || *received > readable {
+                    Step::new(Flow::Pause, self.send_refusal())
+                } else {
+                    Step::new(Flow::Pause, discard(buffered))
+                };
+                BodyStep::Step(step)
+            }
             State::Buffering(_) | State::StrippingKv => {
                 if self.config_limit().is_some_and(|limit| buffered > limit) {
-                    return BodyStep::Step(Step::new(Flow::Pause, self.reject_too_large()));
+                    let step = Step::new(Flow::Pause, self.reject_too_large());
+                    return BodyStep::Step(self.answer_after_upload(step, buffered, false));
                 }
                 if end_of_stream {
                     BodyStep::ReadBody
@@ -609,7 +669,9 @@ impl Session {
 
     /// Trailers end the request: whatever body arrived is all there is.
     pub fn on_request_trailers(&mut self) -> BodyStep {
+        self.upload = Upload::Ended;
         match &self.state {
+            State::Refusing { .. } => BodyStep::Step(Step::new(Flow::Pause, self.send_refusal())),
             State::Buffering(_) | State::StrippingKv => BodyStep::ReadBody,
             _ => BodyStep::Step(self.hold_or_continue()),
         }
@@ -1416,7 +1478,8 @@ impl Session {
             self.abandoned.running_for(&client)
         );
         let error = ClientError::too_many_abandoned_prefills(self.abandoned.limit());
-        Some(Step::new(Flow::Pause, self.reject(&error)))
+        let step = Step::new(Flow::Pause, self.reject(&error));
+        Some(self.answer_after_upload(step, 0, true))
     }
 
     /// Whether the request went on to decode and decode has not answered: when the client
@@ -1516,6 +1579,65 @@ impl Session {
             .map(|config| config.max_request_body_bytes)
     }
 
+    /// A refusal decided while the client is still sending its body waits for the body's
+    /// end, the body dropped as it comes: a client that writes its whole body before it reads
+    /// (httpx's async client, so the async OpenAI and Anthropic SDKs) otherwise meets an
+    /// HTTP/1.1 connection Envoy closes under its upload, and never sees the answer. At the
+    /// request headers only where they may be held without the body
+    /// (`hold_request_headers`); never for more than [`REFUSED_UPLOAD_READ_FACTOR`] times the
+    /// body limit. `buffered`: the body Envoy holds now.
+    fn answer_after_upload(&mut self, mut step: Step, buffered: usize, at_headers: bool) -> Step {
+        let Upload::Arriving { declared } = self.upload else {
+            return step;
+        };
+        let headers_held = self
+            .config
+            .as_ref()
+            .is_some_and(|config| config.hold_request_headers);
+        let readable = self.readable_refused_upload();
+        if (at_headers && !headers_held) || buffered.max(declared.unwrap_or(0)) > readable {
+            return step;
+        }
+        let Some(index) = step
+            .commands
+            .iter()
+            .position(|command| matches!(command, Command::SendReply(_)))
+        else {
+            return step;
+        };
+        if let Command::SendReply(reply) = step.commands.remove(index) {
+            self.state = State::Refusing {
+                reply,
+                received: buffered,
+            };
+        }
+        step.commands.extend(discard(buffered));
+        step.flow = Flow::Pause;
+        step
+    }
+
+    fn readable_refused_upload(&self) -> usize {
+        self.config_limit()
+            .unwrap_or_default()
+            .saturating_mul(REFUSED_UPLOAD_READ_FACTOR)
+    }
+
+    /// The answer a refused request's upload waited for.
+    fn send_refusal(&mut self) -> Vec<Command> {
+        match std::mem::replace(&mut self.state, State::Answered) {
+            State::Refusing { reply, .. } => vec![Command::SendReply(reply)],
+            other => {
+                self.state = other;
+                Vec::new()
+            }
+        }
+    }
+
+    /// Envoy would not drop a refused request's upload: the answer goes out now.
+    pub fn on_discard_failed(&mut self) -> Vec<Command> {
+        self.send_refusal()
+    }
+
     fn reject_too_large(&mut self) -> Vec<Command> {
         let limit = self.config_limit().unwrap_or_default();
         self.reject(&ClientError::payload_too_large(limit))
@@ -1589,6 +1711,13 @@ impl Session {
             body: error.body_for(self.api),
         })
     }
+}
+
+fn discard(buffered: usize) -> Vec<Command> {
+    (buffered > 0)
+        .then_some(Command::DiscardRequestBody(buffered))
+        .into_iter()
+        .collect()
 }
 
 fn warn_answer_too_large(request_id: &str, limit: usize) {

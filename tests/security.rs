@@ -1184,3 +1184,90 @@ async fn requests_that_hold_memory_in_the_vm_are_refused_past_its_budget() {
         .await;
     assert_eq!(again.status, 200, "{}", preview(&again.body));
 }
+
+// ----------------------------------------------------------------------------------------
+// 13. A refused request whose body is still arriving
+
+/// A client that writes its whole body before it reads (httpx's async client, so the async
+/// OpenAI and Anthropic SDKs) sees the filter's refusal only if the answer waits for the end
+/// of the upload: answered early, Envoy closes the HTTP/1.1 connection under the upload, and
+/// such a client sees a broken connection. Each upload here stops for a while before its
+/// last bytes: the answer must come after them. Up to four times the body limit (8 MiB on
+/// `default`) is read and dropped; a larger declared body is answered at once.
+#[tokio::test]
+async fn a_refused_upload_is_read_to_its_end_before_the_answer() {
+    use raw_http::{exchange, http1_request, Outcome, Writing};
+    use std::time::Instant;
+    const MIB: usize = 1024 * 1024;
+    let port = harness().port("default");
+    let pause = Duration::from_millis(700);
+    let head = |content_type: &str, framing: &str| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: {content_type}\r\n\
+             {framing}\r\n\r\n"
+        )
+        .into_bytes()
+    };
+    let mut chunked = head("application/json", "transfer-encoding: chunked");
+    for _ in 0..10 {
+        chunked.extend_from_slice(format!("{MIB:x}\r\n").as_bytes());
+        chunked.extend_from_slice(&vec![b' '; MIB]);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    let cases = [
+        (
+            "wrong content-type",
+            http1_request(
+                "POST",
+                "/v1/completions",
+                &[("content-type", "text/plain")],
+                &[b' '; 2 * MIB],
+            ),
+            415,
+        ),
+        (
+            "declared over the limit",
+            http1_request(
+                "POST",
+                "/v1/completions",
+                &[("content-type", "application/json")],
+                &vec![b' '; 10 * MIB],
+            ),
+            413,
+        ),
+        ("grown over the limit", chunked, 413),
+    ];
+    for (case, request, status) in cases {
+        // All but the last 5 bytes, then the pause: past the limit where the body outgrows it.
+        let writing = Writing {
+            pieces: vec![request.len() - 5],
+            pause,
+            shutdown_after: false,
+        };
+        let started = Instant::now();
+        let outcome = exchange(port, request, "POST", writing, Duration::from_secs(30)).await;
+        let elapsed = started.elapsed();
+        let Outcome::Response(response) = outcome else {
+            panic!("{case}: {}", outcome.describe());
+        };
+        response.assert_json_error(status, case);
+        assert!(
+            elapsed >= pause,
+            "{case}: answered {elapsed:?} in, before the upload ended"
+        );
+    }
+
+    // Declared larger than four times the limit: answered without waiting for any of it.
+    let mut request = head("application/json", &format!("content-length: {}", 40 * MIB));
+    request.extend_from_slice(&[b' '; MIB]);
+    let writing = Writing::default();
+    let started = Instant::now();
+    let outcome = exchange(port, request, "POST", writing, Duration::from_secs(30)).await;
+    let Outcome::Response(response) = outcome else {
+        panic!("40 MiB: {}", outcome.describe());
+    };
+    response.assert_json_error(413, "40 MiB");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_healthy();
+}

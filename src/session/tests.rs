@@ -293,7 +293,8 @@ fn bad_requests_are_answered_before_prefill() {
 
     let mut s = session(r#"{"max_request_body_bytes":100}"#);
     s.on_request_headers(&post("/v1/completions"), false);
-    match s.on_request_body(101, false) {
+    assert!(matches!(s.on_request_body(101, false), BodyStep::Step(_)));
+    match s.on_request_body(20, true) {
         BodyStep::Step(step) => assert_eq!(reply(&step.commands).0, 413),
         other => panic!("{other:?}"),
     }
@@ -310,6 +311,112 @@ fn bad_requests_are_answered_before_prefill() {
         .commands
         .iter()
         .any(|c| matches!(c, Command::DispatchPrefill(_))));
+}
+
+fn discarded(step: &Step) -> Vec<usize> {
+    step.commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::DiscardRequestBody(len) => Some(*len),
+            _ => None,
+        })
+        .collect()
+}
+
+fn body_step(step: BodyStep) -> Step {
+    match step {
+        BodyStep::Step(step) => step,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_refused_upload_is_dropped_to_its_end_before_the_answer() {
+    const HELD: &str = r#"{"hold_request_headers":true,"max_request_body_bytes":100}"#;
+    // Refused with the headers, which can be held without the body: its chunks are
+    // dropped as they come, and the answer waits for the last.
+    for (refused, status) in [
+        (
+            headers("POST", "/v1/completions", &[("content-type", "text/plain")]),
+            415,
+        ),
+        (
+            headers("POST", "/v1/completions", &[("content-length", "150")]),
+            413,
+        ),
+        (post("/v1%2Fcompletions"), 400),
+    ] {
+        let mut s = session(HELD);
+        let step = s.on_request_headers(&refused, false);
+        assert_eq!(step.flow, Flow::Pause);
+        assert!(!has_reply(&step.commands), "{:?}", step.commands);
+        // Counted when decided.
+        assert!(
+            recorded(&step.commands).contains(&Metric::BadRequest),
+            "{status}"
+        );
+        let step = body_step(s.on_request_body(60, false));
+        assert_eq!((step.flow, discarded(&step)), (Flow::Pause, vec![60]));
+        assert!(!has_reply(&step.commands));
+        let step = body_step(s.on_request_body(90, true));
+        assert_eq!(reply(&step.commands).0, status);
+        assert!(discarded(&step).is_empty());
+        assert!(!s.watches_response());
+    }
+
+    // Refused once the body outgrew the limit: what Envoy holds is dropped at once.
+    let mut s = session(HELD);
+    s.on_request_headers(&post("/v1/completions"), false);
+    let step = body_step(s.on_request_body(120, false));
+    assert_eq!(
+        recorded(&step.commands),
+        vec![
+            Metric::BadRequest,
+            Metric::Request(Api::Completions, Outcome::ClientError)
+        ]
+    );
+    assert_eq!((step.flow, discarded(&step)), (Flow::Pause, vec![120]));
+    assert!(!has_reply(&step.commands));
+    // Trailers end it too.
+    assert_eq!(reply(&body_step(s.on_request_trailers()).commands).0, 413);
+
+    // Up to four times the limit is read; past that the answer goes out at once.
+    let mut s = session(HELD);
+    s.on_request_headers(&post("/v1/completions"), false);
+    assert!(!has_reply(
+        &body_step(s.on_request_body(120, false)).commands
+    ));
+    assert!(!has_reply(
+        &body_step(s.on_request_body(280, false)).commands
+    ));
+    assert_eq!(
+        reply(&body_step(s.on_request_body(1, false)).commands).0,
+        413
+    );
+    let mut s = session(HELD);
+    let declared = headers("POST", "/v1/completions", &[("content-length", "401")]);
+    assert_eq!(
+        reply(&s.on_request_headers(&declared, false).commands).0,
+        413
+    );
+
+    // Envoy would not drop the upload: the answer goes out now.
+    let mut s = session(HELD);
+    s.on_request_headers(&declared_text_plain(), false);
+    assert_eq!(reply(&s.on_discard_failed()).0, 415);
+
+    // Headers Envoy cannot hold without the body (no `hold_request_headers`): answered at
+    // once, as is a request whose body has ended.
+    let mut s = session(r#"{"max_request_body_bytes":100}"#);
+    let step = s.on_request_headers(&declared_text_plain(), false);
+    assert_eq!(reply(&step.commands).0, 415);
+    let mut s = session(HELD);
+    let step = s.on_request_headers(&declared_text_plain(), true);
+    assert_eq!(reply(&step.commands).0, 415);
+}
+
+fn declared_text_plain() -> Vec<(String, Vec<u8>)> {
+    headers("POST", "/v1/completions", &[("content-type", "text/plain")])
 }
 
 #[test]
@@ -1576,7 +1683,7 @@ fn the_filters_own_refusals_are_client_errors_of_their_api() {
     assert_eq!(recorded(&step.commands), vec![Metric::BadRequest]);
     let mut s = session(r#"{"max_request_body_bytes":100}"#);
     s.on_request_headers(&post("/invocations"), false);
-    let BodyStep::Step(step) = s.on_request_body(101, false) else {
+    let BodyStep::Step(step) = s.on_request_body(101, true) else {
         panic!("not refused")
     };
     assert_eq!(reply(&step.commands).0, 413);
