@@ -1223,6 +1223,51 @@ fn hardening_errors(config: &Value) -> Vec<String> {
         );
     }
 
+    // Idle client connections give way near the connection limit, and silent ones are closed:
+    // otherwise one client's idle sockets hold every connection for Envoy's hour.
+    let idle_shrinks = config["overload_manager"]["actions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|action| {
+            action["name"] == "envoy.overload_actions.reduce_timeouts"
+                && action["triggers"][0]["name"]
+                    == "envoy.resource_monitors.global_downstream_max_connections"
+                && action["typed_config"]["timer_scale_factors"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .any(|factor| factor["timer"] == "HTTP_DOWNSTREAM_CONNECTION_IDLE")
+        });
+    if !idle_shrinks {
+        errors.push(
+            "no reduce_timeouts of HTTP_DOWNSTREAM_CONNECTION_IDLE on the connection monitor: \
+             idle connections hold the connection limit for an hour"
+                .to_owned(),
+        );
+    }
+    for listener in config["static_resources"]["listeners"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        let inspects = listener["listener_filters"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|filter| filter["name"] == "envoy.filters.listener.http_inspector");
+        let bounded = seconds(&listener["listener_filters_timeout"])
+            .is_some_and(|timeout| timeout > 0.0 && timeout <= 15.0)
+            && listener["continue_on_listener_filters_timeout"] != true;
+        if !(inspects && bounded) {
+            errors.push(format!(
+                "listener {}: a connection that never sends a byte stays open (no \
+                 http_inspector with a listener_filters_timeout)",
+                listener["name"]
+            ));
+        }
+    }
+
     let clusters: Vec<&Value> = config["static_resources"]["clusters"]
         .as_array()
         .into_iter()
@@ -1673,6 +1718,22 @@ fn weakened_envoy_configs_are_caught() {
                     json!(r#"{"hold_request_headers":true,"decode_cluster":"decode-pool"}"#);
             },
         ),
+        (
+            "idle connections kept an hour near the connection limit",
+            "reduce_timeouts",
+            |c| {
+                c["overload_manager"]["actions"]
+                    .as_array_mut()
+                    .unwrap()
+                    .retain(|a| a["name"] != "envoy.overload_actions.reduce_timeouts");
+            },
+        ),
+        ("silent connections kept open", "never sends a byte", |c| {
+            c["static_resources"]["listeners"][0]
+                .as_object_mut()
+                .unwrap()
+                .remove("listener_filters");
+        }),
         (
             "no connection limit",
             "global_downstream_max_connections",
@@ -2363,6 +2424,70 @@ fn envoy_yaml_says_when_to_retry_its_own_503_in_envoy() {
         openai_error(&reply, 503).unwrap_or_else(|e| panic!("{target}: {e}"));
         assert_eq!(reply.header("retry-after"), Some("1"), "{target}");
     }
+}
+
+/// envoy/envoy.yaml as shipped, its connection limit lowered to 20: connections that never
+/// send a byte are closed after 10 s, and connections left idle after a request give way
+/// within seconds once the limit is near, so that one client's sockets cannot shut the others
+/// out for Envoy's hour of idle time.
+#[test]
+fn envoy_yaml_lets_silent_and_idle_connections_go_near_its_limit_in_envoy() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    use std::time::{Duration, Instant};
+    let (_runtime, _prefill, _decode, envoy) =
+        edited_envoy_yaml_before_mocks("run-envoy-yaml-idle", |text| {
+            substitute(
+                &text,
+                "max_active_downstream_connections: 10000",
+                "max_active_downstream_connections: 20",
+            )
+        });
+    let open = |count: usize, request: Option<&[u8]>| -> Vec<TcpStream> {
+        (0..count)
+            .map(|_| {
+                let mut stream = TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
+                if let Some(request) = request {
+                    stream.write_all(request).expect("send");
+                    let mut answer = [0u8; 4096];
+                    let read = stream.read(&mut answer).expect("answer");
+                    assert!(answer[..read].starts_with(b"HTTP/1.1 404"));
+                }
+                stream
+            })
+            .collect()
+    };
+    let closed_by_envoy = |streams: &mut [TcpStream], within: Duration| {
+        let deadline = Instant::now() + within;
+        for stream in streams.iter_mut() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            stream
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .expect("timeout");
+            let mut byte = [0u8; 1];
+            assert!(
+                matches!(stream.read(&mut byte), Ok(0) | Err(_)) && Instant::now() < deadline,
+                "a connection still open after {within:?}"
+            );
+        }
+    };
+    let served = || raw_post(envoy.port, "/v1/completions", &[], COMPLETION_BODY).status == 200;
+
+    // 19 of 20 connections idle after one request each: their idle time shrinks to 5 s.
+    let request = b"GET /nothing HTTP/1.1\r\nhost: localhost\r\n\r\n";
+    let mut idle = open(19, Some(request));
+    closed_by_envoy(&mut idle, Duration::from_secs(12));
+    assert!(served());
+
+    // 20 sockets that never send a byte fill the limit; 10 s later they are gone.
+    let mut silent = open(20, None);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        std::panic::catch_unwind(served).map_or(true, |served| !served),
+        "a client was served past the connection limit"
+    );
+    closed_by_envoy(&mut silent, Duration::from_secs(12));
+    assert!(served());
 }
 
 const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
