@@ -43,8 +43,9 @@ const RETRY_AFTER: [Duration; 4] = [
 ];
 /// A release body larger than this is not kept to be sent again.
 const RETRY_MAX_BODY: usize = 4096;
-/// Releases that may wait for a slot, per release that may be in flight: a burst of clients
-/// leaving at once (a few hundred bytes each) waits rather than strands its KV.
+/// Releases that may wait, per release that may be in flight, for a slot and (as many
+/// again) to be sent again: a burst of clients leaving at once, or the requests of a decode
+/// outage of seconds (a few hundred bytes each), waits rather than strands its KV.
 const WAITING_PER_SLOT: usize = 16;
 
 pub struct Callouts<R> {
@@ -165,8 +166,8 @@ impl<R> Callouts<R> {
     /// Keeps a release that could not reach decode to send again later; `false` when too
     /// many already wait (it is dropped).
     pub fn retry_later(&mut self, retry: Retry, now: SystemTime) -> bool {
-        let bound = usize::try_from(self.releases.max()).unwrap_or(usize::MAX);
-        if self.retries.len() >= bound {
+        let slots = usize::try_from(self.releases.max()).unwrap_or(usize::MAX);
+        if self.retries.len() >= slots.saturating_mul(WAITING_PER_SLOT) {
             return false;
         }
         let index = usize::try_from(retry.attempts.saturating_sub(1)).unwrap_or(usize::MAX);
@@ -331,12 +332,17 @@ mod tests {
         };
         callouts.release_sent(Some(1), &large, 1);
         assert!(matches!(callouts.answered(1), Some(Caller::Release(None))));
-        for n in 0..3u32 {
+        let bound = 2 * WAITING_PER_SLOT as u32;
+        for n in 0..bound + 1 {
             callouts.release_sent(Some(n), &call(), 1);
             let Some(Caller::Release(Some(retry))) = callouts.answered(n) else {
                 panic!("a retry");
             };
-            assert_eq!(callouts.retry_later(retry, at(0)), n < 2, "bound 2");
+            assert_eq!(
+                callouts.retry_later(retry, at(0)),
+                n < bound,
+                "bound {bound}"
+            );
         }
     }
 }
