@@ -37,6 +37,9 @@ use crate::request_id::new_request_id;
 /// read makes vLLM's prefill log an error for the unknown notification.
 const DELIVERY_WINDOW: Duration = Duration::from_secs(2);
 
+/// How far the host's wall clock, which the filter reads, may lag Envoy's timers.
+const CLOCK_SLACK: Duration = Duration::from_millis(5);
+
 /// Room left for the rest of decode's answer when prefill's prompt logprobs go into it; an
 /// answer that still outgrows the limit goes on as decode wrote it.
 const REST_OF_ANSWER: usize = 64 * 1024;
@@ -440,6 +443,12 @@ impl Prefill {
 
     fn elapsed(&self, now: SystemTime) -> Duration {
         now.duration_since(self.started).unwrap_or_default()
+    }
+
+    /// Whether `prefill_timeout_ms` from the first attempt has passed (every attempt's call
+    /// ends by then), give or take the host's clock.
+    fn deadline_passed(&self, config: &Config, now: SystemTime) -> bool {
+        self.elapsed(now) + CLOCK_SLACK >= config.prefill_timeout
     }
 
     fn call(&self, body: Vec<u8>, timeout: Duration) -> HttpCall {
@@ -957,6 +966,12 @@ impl Session {
                     }
                 });
                 commands
+            }
+            PrefillAnswer::Failed(_)
+                if status.is_none() && prefill.deadline_passed(&config, now) =>
+            {
+                let failure = PrefillFailure::timed_out_mid_answer(config.prefill_timeout);
+                self.prefill_failed(prefill, failure, now)
             }
             PrefillAnswer::Failed(failure) => self.prefill_failed(prefill, failure, now),
         }

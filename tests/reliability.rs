@@ -116,6 +116,26 @@ async fn a_prefill_hanging_past_the_timeout_is_504_and_its_late_answer_never_rea
     assert_still_serves("strict").await;
 }
 
+/// Envoy resets, rather than answers 504, a timed-out call whose answer had begun: the
+/// client still gets the timeout, not a reset.
+#[tokio::test]
+async fn a_prefill_stalling_mid_answer_past_the_timeout_is_504() {
+    let id = unique_id("prefill-stall");
+    let started = Instant::now();
+    let reply = Request::post("strict", COMPLETIONS)
+        .id(&id)
+        .body(completion("x mock:prefill_stall_mid_answer_ms=2500"))
+        .send()
+        .await;
+    let elapsed = started.elapsed();
+    assert_error_without_decode(&reply, &id, 504, "within prefill_timeout_ms (1500 ms)");
+    assert!(
+        elapsed >= Duration::from_millis(1400) && elapsed < Duration::from_millis(2400),
+        "answered after {elapsed:?}, the timeout is 1.5 s"
+    );
+    assert_still_serves("strict").await;
+}
+
 #[tokio::test]
 async fn a_prefill_reset_before_answering_is_503() {
     let h = harness();

@@ -342,6 +342,9 @@ struct Faults {
     retry_after: Option<u64>,
     /// Decode: a gzip-compressed answer (`mock:decode_gzip`).
     gzip: bool,
+    /// Prefill: sends its headers and half its answer, then waits this long before the rest
+    /// (`mock:prefill_stall_mid_answer_ms=N`).
+    stall_mid_answer_ms: Option<u64>,
 }
 
 impl Faults {
@@ -369,6 +372,11 @@ impl Faults {
             token_delay_ms: if prefill { None } else { num("token_delay_ms") },
             retry_after: num("retry_after"),
             gzip: !prefill && flag("gzip"),
+            stall_mid_answer_ms: if prefill {
+                num("stall_mid_answer_ms")
+            } else {
+                None
+            },
         }
     }
 }
@@ -526,13 +534,20 @@ fn sse_response(answer: &Answer, include_usage: bool, cut: bool, pace: Duration)
 }
 
 /// A JSON answer, or with `cut` one that announces its full length and stops halfway.
-fn object_response(object: &Value, cut: bool) -> Response<Body> {
-    if !cut {
+/// A JSON answer: whole, `cut` after its first half, or with a pause of `stall` after it.
+fn object_response(object: &Value, cut: bool, stall: Option<Duration>) -> Response<Body> {
+    if !cut && stall.is_none() {
         return json_response(StatusCode::OK, object);
     }
     let bytes = Bytes::from(object.to_string());
-    let half = bytes.slice(..bytes.len() / 2);
-    let mut resp = channel_response(vec![half], Some(1), Duration::from_millis(1));
+    let (half, rest) = (
+        bytes.slice(..bytes.len() / 2),
+        bytes.slice(bytes.len() / 2..),
+    );
+    let mut resp = match stall {
+        Some(stall) if !cut => channel_response(vec![half, rest], None, stall),
+        _ => channel_response(vec![half], Some(1), Duration::from_millis(1)),
+    };
     let headers = resp.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
@@ -609,7 +624,8 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
     if let Some(size) = faults.huge {
         object["padding"] = Value::String("x".repeat(size as usize));
     }
-    object_response(&object, faults.reset_mid)
+    let stall = faults.stall_mid_answer_ms.map(Duration::from_millis);
+    object_response(&object, faults.reset_mid, stall)
 }
 
 fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
@@ -653,7 +669,7 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
             faults.pace(),
         )
     } else {
-        object_response(&answer.object(), faults.reset_mid)
+        object_response(&answer.object(), faults.reset_mid, None)
     };
     resp.headers_mut()
         .insert("x-mock-kv", HeaderValue::from_static(outcome));

@@ -1,6 +1,8 @@
 //! What the prefill answer means for the request: `kv_transfer_params` for decode, an answer
 //! without them, or a failure mapped to the status the client gets.
 
+use std::time::Duration;
+
 use crate::json::JsonObject;
 
 use super::errors::{default_error_type, ClientError};
@@ -64,6 +66,20 @@ impl PrefillFailure {
             format!(
                 "prefill request could not be sent to cluster {cluster:?}: Envoy has no such \
                  cluster, or refused the call at once (no healthy host, or a full pool)"
+            ),
+        )
+    }
+
+    /// The call ended without headers once `prefill_timeout_ms` had passed: Envoy resets a
+    /// timed-out call whose answer had begun (prefill's headers came, the rest was slow)
+    /// where it answers 504 for one that had not.
+    pub fn timed_out_mid_answer(timeout: Duration) -> PrefillFailure {
+        PrefillFailure::new(
+            FailureKind::Timeout,
+            504,
+            format!(
+                "prefill began its answer but did not finish it within prefill_timeout_ms ({} ms)",
+                timeout.as_millis()
             ),
         )
     }

@@ -845,7 +845,8 @@ fn no_retry_once_the_budget_is_spent_or_for_what_prefill_worked_on() {
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
     s.on_prefill_dispatched(Some(1), at(0));
     let commands = s.on_prefill_answer(1, None, b"", at(1000));
-    assert_eq!(reply(&commands).0, 502);
+    // Ended without headers as its time was up: Envoy's timeout of an answer that began.
+    assert_eq!(reply(&commands).0, 504);
 
     for (status, body, expected) in [
         (504, &b"upstream request timeout"[..], 504),
@@ -861,6 +862,33 @@ fn no_retry_once_the_budget_is_spent_or_for_what_prefill_worked_on() {
         s.on_prefill_dispatched(Some(1), at(0));
         let commands = s.on_prefill_answer(1, Some(status), body, at(10));
         assert_eq!(reply(&commands).0, expected);
+    }
+}
+
+#[test]
+fn a_call_reset_when_its_time_is_up_timed_out() {
+    // Envoy resets, rather than answers 504, a call whose headers had come when
+    // prefill_timeout_ms ran out; a reset before then is prefill's.
+    for (answered_ms, status, kind) in [
+        (990, 502, FailureKind::Reset),
+        (1000, 504, FailureKind::Timeout),
+        (1003, 504, FailureKind::Timeout),
+    ] {
+        let mut s = session(r#"{"prefill_timeout_ms":1000}"#);
+        send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+        s.on_prefill_dispatched(Some(1), at(0));
+        let commands = s.on_prefill_answer(1, None, b"", at(answered_ms));
+        let (got, body) = reply(&commands);
+        assert_eq!(got, status, "{answered_ms} ms: {body}");
+        assert!(
+            metrics(&commands).contains(&Metric::PrefillFailure(kind)),
+            "{answered_ms} ms: {commands:?}"
+        );
+        if status == 504 {
+            assert!(body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("within prefill_timeout_ms (1000 ms)")));
+        }
     }
 }
 
