@@ -1322,6 +1322,14 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             error("local_reply_config does not answer an OpenAI error object".to_owned());
         }
 
+        let underscores = &hcm["common_http_protocol_options"]["headers_with_underscores_action"];
+        if underscores != "DROP_HEADER" && underscores != "REJECT_REQUEST" {
+            error(format!(
+                "headers_with_underscores_action is {underscores}: a worker-choosing header \
+                 spelled with underscores passes"
+            ));
+        }
+
         if let Some(problem) = guard_problem(hcm) {
             error(problem);
         }
@@ -1726,6 +1734,16 @@ fn weakened_envoy_configs_are_caught() {
                     .as_array_mut()
                     .unwrap()
                     .retain(|a| a["name"] != "envoy.overload_actions.reduce_timeouts");
+            },
+        ),
+        (
+            "headers with underscores passed on",
+            "headers_with_underscores_action",
+            |c| {
+                first_hcm(c)
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("common_http_protocol_options");
             },
         ),
         ("silent connections kept open", "never sends a byte", |c| {
@@ -2743,6 +2761,11 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
             ("x-gateway-destination-endpoint", &admin),
             ("x-pd-model", "another-model"),
             ("x-data-parallel-rank", "3"),
+            // Their spellings with underscores, which a server reading `_` as `-` would take
+            // for them: dropped too.
+            ("x_prefiller_host_port", &admin),
+            ("x_gateway_destination_endpoint", &admin),
+            ("x_data_parallel_rank", "3"),
         ],
         COMPLETION_BODY,
     );
@@ -2753,7 +2776,9 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
         .chain(&decode.requests_with_id(id))
     {
         for header in TRUSTED_HEADERS {
-            if let Some(value) = request.header(header) {
+            let underscored = header.replace('-', "_");
+            let value = request.header(header).or(request.header(&underscored));
+            if let Some(value) = value {
                 failures.push(format!(
                     "{:?} got the client's {header}: {value}",
                     request.role
