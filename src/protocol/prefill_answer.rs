@@ -208,9 +208,23 @@ fn find_kv_transfer_params(body: &[u8]) -> Result<&[u8], String> {
     match object.last_value(KV_TRANSFER_PARAMS) {
         None => Err("prefill answer has no kv_transfer_params".to_owned()),
         Some(b"null") => Err("prefill answer has kv_transfer_params null".to_owned()),
+        // `{}` names no KV for decode to pull: decode would compute the prompt itself.
+        Some(value) if is_empty_object(value) => {
+            Err("prefill answer has kv_transfer_params {}".to_owned())
+        }
         Some(value) if value.starts_with(b"{") => Ok(value),
         Some(_) => Err("kv_transfer_params in the prefill answer is not an object".to_owned()),
     }
+}
+
+/// Whether a JSON value (valid, as the scan found it) is an object without members.
+fn is_empty_object(value: &[u8]) -> bool {
+    value.starts_with(b"{")
+        && value
+            .iter()
+            .filter(|byte| !byte.is_ascii_whitespace())
+            .nth(2)
+            .is_none()
 }
 
 const MAX_QUOTED_UPSTREAM_TEXT: usize = 512;
@@ -305,6 +319,8 @@ mod tests {
             &br#"{"id":"x"}"#[..],
             br#"{"kv_transfer_params":null}"#,
             br#"{"kv_transfer_params":"s"}"#,
+            br#"{"kv_transfer_params":{}}"#,
+            b"{\"kv_transfer_params\":{ \n\t}}",
             b"not json",
             b"",
         ] {
