@@ -2508,6 +2508,29 @@ fn envoy_yaml_lets_silent_and_idle_connections_go_near_its_limit_in_envoy() {
     assert!(served());
 }
 
+/// envoy/envoy.yaml as shipped: decode's JSON answer cut off after its headers came (held by
+/// the filter for the usage merge) is a 502 that says so, rather than Envoy's "reset before
+/// headers".
+#[test]
+fn envoy_yaml_says_when_decodes_answer_was_cut_off_in_envoy() {
+    let (_runtime, _prefill, _decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-cut");
+    let body = r#"{"model":"m","prompt":"cut mock:decode_reset_mid_stream","max_tokens":20}"#;
+    let reply = raw_post(envoy.port, "/v1/completions", &[], body);
+    let error = openai_error(&reply, 502).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        error["message"]
+            .as_str()
+            .is_some_and(|message| message.starts_with("decode's answer was cut off")),
+        "{error}"
+    );
+    assert!(
+        error["type"]
+            .as_str()
+            .is_some_and(|kind| kind.starts_with("upstream_reset_after_response_started")),
+        "{error}"
+    );
+}
+
 const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
 
 /// envoy/envoy.yaml as shipped takes an HTTP/2 client's body up to the filter's limit: Envoy
