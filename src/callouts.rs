@@ -41,19 +41,30 @@ const RETRY_AFTER: [Duration; 4] = [
     Duration::from_secs(10),
     Duration::from_secs(15),
 ];
-/// A release body larger than this is not kept to be sent again.
-const RETRY_MAX_BODY: usize = 4096;
+/// A release larger than this, headers and body, is not kept to wait (for a slot, or to be
+/// sent again): what waits stays within 2 x 16 x `max_kv_releases_in_flight` of them per
+/// worker (16 MiB at the default), however large the client headers it carries.
+const MAX_KEPT_RELEASE_BYTES: usize = 8192;
 /// Releases that may wait, per release that may be in flight, for a slot and (as many
 /// again) to be sent again: a burst of clients leaving at once, or the requests of a decode
 /// outage of seconds (a few hundred bytes each), waits rather than strands its KV.
 const WAITING_PER_SLOT: usize = 16;
 
+fn small_enough_to_keep(call: &HttpCall) -> bool {
+    let headers: usize = call
+        .headers
+        .iter()
+        .map(|(name, value)| name.len() + value.len())
+        .sum();
+    headers.saturating_add(call.body.len()) <= MAX_KEPT_RELEASE_BYTES
+}
+
 pub struct Callouts<R> {
     jobs: VecDeque<Job<R>>,
     calls: HashMap<u32, Caller<R>>,
     releases: ReleaseBudget,
-    /// Releases waiting to be sent again, each with when; as many at most as may be in
-    /// flight.
+    /// Releases waiting to be sent again, each with when; at most [`WAITING_PER_SLOT`] per
+    /// release that may be in flight.
     retries: VecDeque<(SystemTime, Retry)>,
     /// Releases waiting for a slot, each with its attempt number.
     waiting: VecDeque<(HttpCall, u32)>,
@@ -103,6 +114,12 @@ impl<R> Callouts<R> {
         self.calls.insert(token, Caller::Prefill(request));
     }
 
+    /// How many releases may wait for a slot, and how many to be sent again.
+    fn waiting_bound(&self) -> usize {
+        let slots = usize::try_from(self.releases.max()).unwrap_or(usize::MAX);
+        slots.saturating_mul(WAITING_PER_SLOT)
+    }
+
     /// Takes a slot for a release; `false` when the bound is reached.
     pub fn start_release(&mut self) -> bool {
         self.releases.try_start()
@@ -111,8 +128,7 @@ impl<R> Callouts<R> {
     /// Keeps attempt number `attempts` of a release that found no slot until one frees;
     /// `false` when too many already wait (it is dropped).
     pub fn wait_for_slot(&mut self, call: HttpCall, attempts: u32) -> bool {
-        let slots = usize::try_from(self.releases.max()).unwrap_or(usize::MAX);
-        if self.waiting.len() >= slots.saturating_mul(WAITING_PER_SLOT) {
+        if self.waiting.len() >= self.waiting_bound() || !small_enough_to_keep(&call) {
             return false;
         }
         self.waiting.push_back((call, attempts));
@@ -137,11 +153,10 @@ impl<R> Callouts<R> {
         call: &HttpCall,
         attempts: u32,
     ) -> Option<Retry> {
-        let retry =
-            (attempts < RELEASE_ATTEMPTS && call.body.len() <= RETRY_MAX_BODY).then(|| Retry {
-                call: call.clone(),
-                attempts,
-            });
+        let retry = (attempts < RELEASE_ATTEMPTS && small_enough_to_keep(call)).then(|| Retry {
+            call: call.clone(),
+            attempts,
+        });
         match token {
             Some(token) => {
                 self.calls.insert(token, Caller::Release(retry));
@@ -166,8 +181,7 @@ impl<R> Callouts<R> {
     /// Keeps a release that could not reach decode to send again later; `false` when too
     /// many already wait (it is dropped).
     pub fn retry_later(&mut self, retry: Retry, now: SystemTime) -> bool {
-        let slots = usize::try_from(self.releases.max()).unwrap_or(usize::MAX);
-        if self.retries.len() >= slots.saturating_mul(WAITING_PER_SLOT) {
+        if self.retries.len() >= self.waiting_bound() {
             return false;
         }
         let index = usize::try_from(retry.attempts.saturating_sub(1)).unwrap_or(usize::MAX);
@@ -265,6 +279,19 @@ mod tests {
     }
 
     #[test]
+    fn a_release_with_large_client_headers_does_not_wait() {
+        let mut callouts: Callouts<&str> = Callouts::default();
+        callouts.set_release_bound(1);
+        let heavy = HttpCall {
+            headers: vec![("baggage".into(), "x".repeat(MAX_KEPT_RELEASE_BYTES))],
+            ..call()
+        };
+        assert!(!callouts.wait_for_slot(heavy.clone(), 1));
+        assert!(callouts.release_sent(None, &heavy, 1).is_none());
+        assert!(callouts.wait_for_slot(call(), 1));
+    }
+
+    #[test]
     fn releases_past_the_bound_wait_for_a_slot_in_order() {
         let mut callouts: Callouts<&str> = Callouts::default();
         callouts.set_release_bound(1);
@@ -327,7 +354,7 @@ mod tests {
 
         // A large body is not kept; too many waiting are dropped.
         let large = HttpCall {
-            body: vec![b'x'; 8192],
+            body: vec![b'x'; MAX_KEPT_RELEASE_BYTES + 1],
             ..call()
         };
         callouts.release_sent(Some(1), &large, 1);

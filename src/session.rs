@@ -448,7 +448,7 @@ impl Prefill {
     /// Whether `prefill_timeout_ms` from the first attempt has passed (every attempt's call
     /// ends by then), give or take the host's clock.
     fn deadline_passed(&self, config: &Config, now: SystemTime) -> bool {
-        self.elapsed(now) + CLOCK_SLACK >= config.prefill_timeout
+        self.elapsed(now).saturating_add(CLOCK_SLACK) >= config.prefill_timeout
     }
 
     fn call(&self, body: Vec<u8>, timeout: Duration) -> HttpCall {
@@ -493,9 +493,11 @@ impl Session {
             Upload::Ended
         } else {
             Upload::Arriving {
+                // As u64: on wasm32 a usize stops at 4 GiB.
                 declared: headers
                     .text("content-length")
-                    .and_then(|value| value.trim().parse::<usize>().ok()),
+                    .and_then(|value| value.trim().parse::<u64>().ok())
+                    .map(|length| usize::try_from(length).unwrap_or(usize::MAX)),
             }
         };
         let step = self.request_headers_step(headers, end_of_stream);
@@ -1599,16 +1601,17 @@ impl Session {
     /// (httpx's async client, so the async OpenAI and Anthropic SDKs) otherwise meets an
     /// HTTP/1.1 connection Envoy closes under its upload, and never sees the answer. At the
     /// request headers only where they may be held without the body
-    /// (`hold_request_headers`); never for more than [`REFUSED_UPLOAD_READ_FACTOR`] times the
+    /// (`hold_request_headers`, `model_header`); never for more than [`REFUSED_UPLOAD_READ_FACTOR`] times the
     /// body limit. `buffered`: the body Envoy holds now.
     fn answer_after_upload(&mut self, mut step: Step, buffered: usize, at_headers: bool) -> Step {
         let Upload::Arriving { declared } = self.upload else {
             return step;
         };
+        // Both require `allow_on_headers_stop_iteration`.
         let headers_held = self
             .config
             .as_ref()
-            .is_some_and(|config| config.hold_request_headers);
+            .is_some_and(|config| config.hold_request_headers || config.model_header.is_some());
         let readable = self.readable_refused_upload();
         if (at_headers && !headers_held) || buffered.max(declared.unwrap_or(0)) > readable {
             return step;

@@ -533,8 +533,8 @@ fn sse_response(answer: &Answer, include_usage: bool, cut: bool, pace: Duration)
     resp
 }
 
-/// A JSON answer, or with `cut` one that announces its full length and stops halfway.
-/// A JSON answer: whole, `cut` after its first half, or with a pause of `stall` after it.
+/// A JSON answer: whole; with `cut`, one that announces its full length and stops halfway;
+/// with `stall`, one that waits that long after its first half.
 fn object_response(object: &Value, cut: bool, stall: Option<Duration>) -> Response<Body> {
     if !cut && stall.is_none() {
         return json_response(StatusCode::OK, object);

@@ -405,6 +405,15 @@ fn a_refused_upload_is_dropped_to_its_end_before_the_answer() {
     s.on_request_headers(&declared_text_plain(), false);
     assert_eq!(reply(&s.on_discard_failed()).0, 415);
 
+    // A model header needs the headers held too.
+    let mut s = session(r#"{"model_header":"x-pd-model","max_request_body_bytes":100}"#);
+    let step = s.on_request_headers(&declared_text_plain(), false);
+    assert!(!has_reply(&step.commands), "{:?}", step.commands);
+    assert_eq!(
+        reply(&body_step(s.on_request_body(10, true)).commands).0,
+        415
+    );
+
     // Headers Envoy cannot hold without the body (no `hold_request_headers`): answered at
     // once, as is a request whose body has ended.
     let mut s = session(r#"{"max_request_body_bytes":100}"#);
