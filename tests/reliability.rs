@@ -90,23 +90,36 @@ async fn a_slow_prefill_within_the_timeout_is_served() {
     assert_still_serves("strict").await;
 }
 
+/// Sends `prompt` on `strict` (prefill timeout 1.5 s): a 504 whose message has `message`,
+/// answered at the timeout (before `latest`), with decode never called.
+async fn assert_prefill_timed_out(id: &str, prompt: &str, message: &str, latest: Duration) {
+    let started = Instant::now();
+    let reply = Request::post("strict", COMPLETIONS)
+        .id(id)
+        .body(completion(prompt))
+        .send()
+        .await;
+    let elapsed = started.elapsed();
+    assert_error_without_decode(&reply, id, 504, message);
+    assert!(
+        elapsed >= Duration::from_millis(1400) && elapsed < latest,
+        "answered after {elapsed:?}, the timeout is 1.5 s"
+    );
+}
+
 #[tokio::test]
 async fn a_prefill_hanging_past_the_timeout_is_504_and_its_late_answer_never_reaches_decode() {
     let h = harness();
     let id = unique_id("prefill-hang");
     let started = Instant::now();
-    let body = completion("x mock:prefill_delay_ms=3000");
-    let reply = Request::post("strict", COMPLETIONS)
-        .id(&id)
-        .body(body)
-        .send()
-        .await;
-    let elapsed = started.elapsed();
-    assert_error_without_decode(&reply, &id, 504, "prefill timed out");
-    assert!(
-        elapsed >= Duration::from_millis(1400) && elapsed < Duration::from_millis(2900),
-        "answered after {elapsed:?}, the timeout is 1.5 s"
-    );
+    let prompt = "x mock:prefill_delay_ms=3000";
+    assert_prefill_timed_out(
+        &id,
+        prompt,
+        "prefill timed out",
+        Duration::from_millis(2900),
+    )
+    .await;
     // The filter serves others while the abandoned prefill still sleeps.
     assert_still_serves("strict").await;
     // Once the mock has answered the abandoned callout, decode still has nothing.
@@ -121,18 +134,9 @@ async fn a_prefill_hanging_past_the_timeout_is_504_and_its_late_answer_never_rea
 #[tokio::test]
 async fn a_prefill_stalling_mid_answer_past_the_timeout_is_504() {
     let id = unique_id("prefill-stall");
-    let started = Instant::now();
-    let reply = Request::post("strict", COMPLETIONS)
-        .id(&id)
-        .body(completion("x mock:prefill_stall_mid_answer_ms=2500"))
-        .send()
-        .await;
-    let elapsed = started.elapsed();
-    assert_error_without_decode(&reply, &id, 504, "within prefill_timeout_ms (1500 ms)");
-    assert!(
-        elapsed >= Duration::from_millis(1400) && elapsed < Duration::from_millis(2400),
-        "answered after {elapsed:?}, the timeout is 1.5 s"
-    );
+    let prompt = "x mock:prefill_stall_mid_answer_ms=2500";
+    let message = "within prefill_timeout_ms (1500 ms)";
+    assert_prefill_timed_out(&id, prompt, message, Duration::from_millis(2400)).await;
     assert_still_serves("strict").await;
 }
 
