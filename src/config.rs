@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 use crate::api::Api;
 use crate::protocol::paths::{canonical_path, classify_path, PathVerdict};
+use crate::protocol::rewrite::PrefillToolChoice;
 use crate::protocol::scheduling::HostAllowlist;
 
 /// What to do when prefill answers 2xx but without usable `kv_transfer_params`.
@@ -66,6 +67,7 @@ struct RawConfig {
     prefill_time_header: Option<String>,
     release_kv_on_abandon: bool,
     usage: UsagePolicy,
+    prefill_tool_choice: PrefillToolChoice,
     decode_forces_include_usage: bool,
     decode_cluster: String,
     model_decode_clusters: BTreeMap<String, String>,
@@ -108,6 +110,7 @@ impl Default for RawConfig {
             replace_local_remote_host: false,
             release_kv_on_abandon: true,
             usage: UsagePolicy::Merge,
+            prefill_tool_choice: PrefillToolChoice::Rewrite,
             decode_forces_include_usage: false,
             decode_cluster: "decode".to_owned(),
             model_decode_clusters: BTreeMap::new(),
@@ -203,6 +206,9 @@ pub struct Config {
     /// never reached, or the filter answered an error after prefill).
     pub release_kv_on_abandon: bool,
     pub usage: UsagePolicy,
+    /// Whether prefill's `tool_choice` is rewritten to one a single token can satisfy, or
+    /// kept as the client sent it.
+    pub prefill_tool_choice: PrefillToolChoice,
     /// Decode runs with vLLM's `--enable-force-include-usage`: a completions or chat stream
     /// carries usage even when its client did not ask for it, so every such stream is read
     /// for its usage. Otherwise only streams whose client sent `stream_options` are.
@@ -405,6 +411,7 @@ impl Config {
             forward_headers,
             release_kv_on_abandon: raw.release_kv_on_abandon,
             usage: raw.usage,
+            prefill_tool_choice: raw.prefill_tool_choice,
             decode_forces_include_usage: raw.decode_forces_include_usage,
             decode_cluster: raw.decode_cluster,
             model_decode_clusters: raw.model_decode_clusters,
@@ -482,6 +489,10 @@ const SHAPES: &[(&str, Shape)] = &[
     ("prefill_time_header", Shape::OptionalText),
     ("release_kv_on_abandon", Shape::Flag),
     ("usage", Shape::Choice(&["merge", "decode"])),
+    (
+        "prefill_tool_choice",
+        Shape::Choice(&["rewrite", "as_sent"]),
+    ),
     ("decode_forces_include_usage", Shape::Flag),
     ("decode_cluster", Shape::Text),
     ("model_decode_clusters", Shape::TextMap),
@@ -586,7 +597,16 @@ mod tests {
                 ["authorization", "traceparent"]
             );
             assert_eq!(config.prefill_time_header, None);
+            assert_eq!(config.prefill_tool_choice, PrefillToolChoice::Rewrite);
         }
+    }
+
+    #[test]
+    fn prefill_tool_choice_is_rewrite_or_as_sent() {
+        let config = Config::from_json(br#"{"prefill_tool_choice":"as_sent"}"#).unwrap();
+        assert_eq!(config.prefill_tool_choice, PrefillToolChoice::AsSent);
+        let error = Config::from_json(br#"{"prefill_tool_choice":"keep"}"#).unwrap_err();
+        assert!(error.0.contains("rewrite, as_sent"), "{}", error.0);
     }
 
     #[test]

@@ -23,8 +23,8 @@ use crate::protocol::scheduling::{
 };
 use crate::protocol::usage::{merge_answer, prompt_usage_for_decode, EventStream, PromptUsage};
 use crate::protocol::{
-    check_content_type, is_vllm_json, media_type, prepare, read_prefill_answer, ClientError,
-    DecodePlan, FailureKind, PrefillAnswer, PrefillFailure, PreparedRequest,
+    check_content_type, is_vllm_json, media_type, prepare_with, read_prefill_answer, ClientError,
+    DecodePlan, FailureKind, PrefillAnswer, PrefillFailure, PrefillOptions, PreparedRequest,
 };
 use crate::request_id::new_request_id;
 
@@ -725,7 +725,7 @@ impl Session {
         body: Vec<u8>,
         now: SystemTime,
     ) -> Step {
-        let prepared = match prepare(pending.api, &body) {
+        let prepared = match prepare_with(pending.api, &body, prefill_options(config)) {
             Ok(prepared) => prepared,
             Err(error) => return Step::new(Flow::Pause, self.reject(&error)),
         };
@@ -1002,7 +1002,7 @@ impl Session {
         // The prefill body is rebuilt rather than kept: retries are rare, memory is not.
         match &prefill.original {
             HeldBody::Whole { body: original, .. } => {
-                let prepared = prepare(prefill.api, original);
+                let prepared = prepare_with(prefill.api, original, self.prefill_options());
                 self.retry(prefill, prepared, failure, budget_left, now)
             }
             HeldBody::HeadOnly => {
@@ -1037,7 +1037,7 @@ impl Session {
             };
         match body {
             Some(body) => {
-                let prepared = prepare(prefill.api, &body);
+                let prepared = prepare_with(prefill.api, &body, self.prefill_options());
                 self.retry(prefill, prepared, failure, budget_left, now)
             }
             None => {
@@ -1590,6 +1590,13 @@ impl Session {
         }
     }
 
+    fn prefill_options(&self) -> PrefillOptions {
+        self.config
+            .as_deref()
+            .map(prefill_options)
+            .unwrap_or_default()
+    }
+
     fn config_limit(&self) -> Option<usize> {
         self.config
             .as_ref()
@@ -1728,6 +1735,12 @@ impl Session {
             headers,
             body: error.body_for(self.api),
         })
+    }
+}
+
+fn prefill_options(config: &Config) -> PrefillOptions {
+    PrefillOptions {
+        tool_choice: config.prefill_tool_choice,
     }
 }
 

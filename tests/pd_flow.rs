@@ -180,6 +180,29 @@ async fn a_required_tool_choice_reaches_prefill_as_the_first_tool_by_name() {
     assert_eq!(h.only_decode(&id).json()["tool_choice"], "required");
 }
 
+/// For a model whose chat template writes `tool_choice` into the prompt, the operator keeps
+/// prefill's choice as the client's: both legs then render the same prompt. The mock
+/// prefill refuses a one-token `"required"` as vLLM 0.11 does, and the client gets its 400.
+#[tokio::test]
+async fn prefill_tool_choice_as_sent_gives_prefill_the_clients_choice() {
+    let h = harness();
+    let id = unique_id("tool-as-sent");
+    let tool = json!({"type": "function", "function": {"name": "get_weather"}});
+    let original = json!({"messages": [{"role": "user", "content": "weather in Paris"}],
+        "tools": [tool], "tool_choice": "required", "max_tokens": 20})
+    .to_string();
+    let reply = Request::post("tool_choice_as_sent", CHAT)
+        .id(&id)
+        .body(original)
+        .send()
+        .await;
+    let prefill = h.only_prefill(&id).json();
+    assert_eq!(prefill["tool_choice"], "required");
+    assert_eq!(prefill["max_tokens"], 1);
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(h.decode_requests(&id).is_empty());
+}
+
 /// vLLM refuses `structured_outputs` constraints beside a named tool, though not beside
 /// `"required"`: prefill, whose choice becomes the named tool, goes without them.
 #[tokio::test]

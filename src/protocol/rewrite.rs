@@ -171,7 +171,34 @@ fn json_text(body: &[u8], start: usize) -> &[u8] {
 }
 
 /// Validates the client body and writes the prefill request for it.
+/// What prefill's `tool_choice` is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillToolChoice {
+    /// A choice one token cannot satisfy becomes one it can: chat's `"required"` names the
+    /// first tool, a Messages choice naming a tool becomes `{"type":"any"}`.
+    #[default]
+    Rewrite,
+    /// The client's, for models whose chat template writes `tool_choice` into the prompt
+    /// (vLLM's Kimi K3 renderer): a rewritten choice would give prefill another prompt.
+    AsSent,
+}
+
+/// How prefill's copy of a request is written, where the operator chooses.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PrefillOptions {
+    pub tool_choice: PrefillToolChoice,
+}
+
 pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
+    prepare_with(api, body, PrefillOptions::default())
+}
+
+pub fn prepare_with(
+    api: Api,
+    body: &[u8],
+    options: PrefillOptions,
+) -> Result<PreparedRequest, ClientError> {
     if body.is_empty() {
         return Err(ClientError::bad_request("request body is empty"));
     }
@@ -260,6 +287,7 @@ pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
         &object,
         REMOTE_DECODE_REQUEST,
         matches!(api, Api::Completions | Api::ChatCompletions) && streamed,
+        options.tool_choice,
     );
 
     let has_client_kv = object.has(KV_TRANSFER_PARAMS);
@@ -372,11 +400,13 @@ fn one_token_body(
     object: &JsonObject,
     kv: &[u8],
     drops_prompt_logprobs: bool,
+    tool_choice: PrefillToolChoice,
 ) -> Vec<u8> {
     let text = object.text();
-    let tool_choice = match api {
-        Api::ChatCompletions => named_instead_of_required(object),
-        Api::Messages => any_instead_of_named_tool(object),
+    let tool_choice = match (api, tool_choice) {
+        (_, PrefillToolChoice::AsSent) => None,
+        (Api::ChatCompletions, _) => named_instead_of_required(object),
+        (Api::Messages, _) => any_instead_of_named_tool(object),
         _ => None,
     };
     if let Some(tool_choice) = tool_choice {
@@ -431,7 +461,8 @@ fn one_token_body(
 /// taken as it comes. The prompt is the same under either choice (the tools are rendered
 /// alike), and prefill's one token is never used. The name is the client's JSON string as
 /// written (read as Python reads it: the last of duplicate keys); a name longer than any
-/// tool's is left alone, so that prefill's body stays within a constant of the client's.
+/// tool's is left alone, so that prefill's body stays within a constant of the client's, and
+/// so is an empty one, which vLLM accepts in a tool but refuses in a named choice.
 fn named_instead_of_required(object: &JsonObject) -> Option<Vec<u8>> {
     const LONGEST_NAME: usize = 1024;
     let choice: String = serde_json::from_slice(object.last_value("tool_choice")?).ok()?;
@@ -443,7 +474,8 @@ fn named_instead_of_required(object: &JsonObject) -> Option<Vec<u8>> {
     let function = JsonObject::parse(first.last_value("function")?).ok()?;
     let name = function
         .last_value("name")
-        .filter(|name| name.starts_with(b"\"") && name.len() <= LONGEST_NAME)?;
+        .filter(|name| name.starts_with(b"\"") && name.len() <= LONGEST_NAME)
+        .filter(|name| *name != br#""""#)?;
     let mut named = Vec::with_capacity(name.len() + 48);
     named.extend_from_slice(br#"{"type":"function","function":{"name":"#);
     named.extend_from_slice(name);
@@ -482,7 +514,8 @@ fn constrains_output(object: &JsonObject) -> bool {
 /// same; the choice's other members stay as the client wrote them.
 fn any_instead_of_named_tool(object: &JsonObject) -> Option<Vec<u8>> {
     let choice = JsonObject::parse(object.last_value("tool_choice")?).ok()?;
-    if choice.last_value("type")? != br#""tool""# {
+    let kind: String = serde_json::from_slice(choice.last_value("type")?).ok()?;
+    if kind != "tool" {
         return None;
     }
     let edit = |key: &str| match key {
@@ -754,6 +787,51 @@ mod tests {
             let sent: Value = serde_json::from_str(constraint).unwrap();
             assert_eq!(prefill["structured_outputs"], sent, "{body}");
         }
+    }
+
+    #[test]
+    fn tool_choice_as_sent_reaches_prefill_unchanged_with_its_constraints() {
+        let as_sent = PrefillOptions {
+            tool_choice: PrefillToolChoice::AsSent,
+        };
+        for (api, body) in [
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required","structured_outputs":{"regex":"a+"},"max_tokens":9}"#,
+            ),
+            (
+                Api::Messages,
+                r#"{"messages":[],"tools":[{"name":"f","input_schema":{}}],"tool_choice":{"type":"tool","name":"f"},"max_tokens":9}"#,
+            ),
+        ] {
+            let prepared = prepare_with(api, body.as_bytes(), as_sent).unwrap();
+            let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+            let client: Value = serde_json::from_str(body).unwrap();
+            assert_eq!(prefill["tool_choice"], client["tool_choice"], "{body}");
+            assert_eq!(
+                prefill["structured_outputs"], client["structured_outputs"],
+                "{body}"
+            );
+            assert_eq!(prefill["max_tokens"], 1, "{body}");
+            assert_eq!(prefill["kv_transfer_params"], remote_decode(), "{body}");
+        }
+    }
+
+    #[test]
+    fn a_tool_choice_is_read_as_json_text_before_it_is_rewritten() {
+        // `"\u0074ool"` is "tool" to vLLM.
+        let body =
+            r#"{"max_tokens":5,"messages":[],"tool_choice":{"type":"\u0074ool","name":"a"}}"#;
+        assert_eq!(
+            prefill_json(Api::Messages, body)["tool_choice"],
+            json!({"type": "any"})
+        );
+        // An empty name is a valid tool but not a valid named choice: "required" stays.
+        let body = r#"{"messages":[],"tools":[{"type":"function","function":{"name":""}}],"tool_choice":"required"}"#;
+        assert_eq!(
+            prefill_json(Api::ChatCompletions, body)["tool_choice"],
+            "required"
+        );
     }
 
     #[test]

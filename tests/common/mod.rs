@@ -129,6 +129,11 @@ pub const LISTENERS: &[Listener] = &[
         ..plain("tight_buffer", r#"{"max_request_body_bytes":65536}"#)
     },
     plain("usage_decode", r#"{"usage":"decode"}"#),
+    // Prefill gets the client's tool_choice (tests/pd_flow.rs).
+    plain(
+        "tool_choice_as_sent",
+        r#"{"prefill_tool_choice":"as_sent"}"#,
+    ),
     // One KV release in flight per worker: the others wait (tests/kv_release.rs).
     plain("one_release", r#"{"max_kv_releases_in_flight":1}"#),
     // Two prefills per client and worker may run on after their clients left
