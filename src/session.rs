@@ -1668,13 +1668,16 @@ impl Session {
         self.reject(&ClientError::payload_too_large(limit))
     }
 
-    /// The request id both legs carry: the client's (or Envoy's), else a new one.
+    /// The request id both legs carry: the client's (or Envoy's), else a new one. A client's
+    /// id goes into every log line about its request, here and on both vLLM workers: one
+    /// that is long or has anything but visible ASCII (a line separator, an escape sequence)
+    /// is replaced, so that no client writes lines of its own into those logs.
     fn take_request_id<H: HeaderLookup + ?Sized>(
         &mut self,
         headers: &H,
         commands: &mut Vec<Command>,
     ) {
-        self.request_id = match headers.text("x-request-id").filter(|id| !id.is_empty()) {
+        self.request_id = match headers.text("x-request-id").filter(|id| is_loggable_id(id)) {
             Some(id) => id.to_owned(),
             None => {
                 let id = new_request_id();
@@ -1736,6 +1739,13 @@ impl Session {
             body: error.body_for(self.api),
         })
     }
+}
+
+/// The longest client request id kept: ids are UUIDs (36) or trace ids (32) in practice.
+const LONGEST_REQUEST_ID: usize = 128;
+
+fn is_loggable_id(id: &str) -> bool {
+    (1..=LONGEST_REQUEST_ID).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_graphic())
 }
 
 fn prefill_options(config: &Config) -> PrefillOptions {

@@ -1271,3 +1271,27 @@ async fn a_refused_upload_is_read_to_its_end_before_the_answer() {
     assert!(started.elapsed() < Duration::from_secs(5));
     assert_healthy();
 }
+
+// §14. The request id, which goes into every log line about the request.
+
+/// A client's `x-request-id` with a line separator would write a line of its own into the
+/// filter's log, and into both workers': it is replaced on both legs and in the answer.
+#[tokio::test]
+async fn a_request_id_that_could_forge_log_lines_is_replaced_on_both_legs() {
+    let h = harness();
+    let forged = format!("{}\u{2028}[critical][main] forged line", unique_id("forge"));
+    let reply = Request::post("default", "/v1/completions")
+        .header("x-request-id", forged.clone())
+        .body(r#"{"prompt":"an id of my own mock:prefill_status=500","max_tokens":2}"#)
+        .send()
+        .await;
+    // Prefill's 500 makes the filter log a line about the request.
+    assert_eq!(reply.status, 502, "{}", reply.body);
+    let id = reply
+        .header("x-request-id")
+        .expect("the answer's request id");
+    assert_eq!(id.len(), 36, "{id:?}");
+    assert_eq!(h.prefill_requests(id).len(), 1, "prefill, by the new id");
+    assert!(!h.envoy_log_text().contains("forged line"));
+    assert!(h.envoy_log_text().contains(id));
+}

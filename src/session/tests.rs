@@ -1163,6 +1163,38 @@ fn a_request_id_is_made_when_the_client_has_none() {
 }
 
 #[test]
+fn a_client_request_id_that_could_forge_log_lines_is_replaced() {
+    let forged = "abc\u{2028}[critical][main] forged line";
+    for (id, kept) in [
+        ("req-7f3a:b_c.d~", true),
+        (forged, false),
+        ("two words", false),
+        ("tab\there", false),
+        (&"x".repeat(129), false),
+        (&"x".repeat(128), true),
+    ] {
+        let mut s = session("");
+        let mut list: Vec<(String, Vec<u8>)> = post("/v1/completions")
+            .into_iter()
+            .filter(|(name, _)| name != "x-request-id")
+            .collect();
+        list.push(("x-request-id".to_owned(), id.as_bytes().to_vec()));
+        let step = s.on_request_headers(&list, false);
+        let set = step.commands.iter().find_map(|c| match c {
+            Command::SetRequestHeader { name, value } if name == "x-request-id" => Some(value),
+            _ => None,
+        });
+        if kept {
+            assert_eq!(s.request_id(), id);
+            assert_eq!(set, None);
+        } else {
+            assert_eq!(set.map(String::as_str), Some(s.request_id()), "{id:?}");
+            assert_eq!(s.request_id().len(), 36, "{id:?}");
+        }
+    }
+}
+
+#[test]
 fn without_configuration_every_request_is_500() {
     let mut s = Session::new(None, HeldBytes::new(0));
     let step = s.on_request_headers(&post("/v1/completions"), false);
