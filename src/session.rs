@@ -527,9 +527,20 @@ impl Session {
             .value(":path")
             .map(|value| String::from_utf8_lossy(value).into_owned())
             .unwrap_or_default();
-        let is_post = headers.text(":method") == Some("POST");
+        let method = headers.text(":method").unwrap_or_default();
+        let is_post = method == "POST";
         let api = match config.classify_path(&path) {
             PathVerdict::Orchestrate(api) if is_post => api,
+            // Envoy's HTTP/2 codec takes `post`, its HTTP/1 codec does not. Methods are
+            // case-sensitive, but a server that read it as POST would serve the client's
+            // body, its kv_transfer_params included, without prefill.
+            PathVerdict::Orchestrate(_) | PathVerdict::StripKvTransferParams
+                if method.eq_ignore_ascii_case("POST") =>
+            {
+                self.take_request_id(headers, &mut commands);
+                commands.extend(self.reject(&ClientError::method_not_post(method)));
+                return Step::new(Flow::Pause, commands);
+            }
             PathVerdict::StripKvTransferParams if is_post && !end_of_stream => {
                 self.state = State::StrippingKv;
                 commands.push(Command::RemoveRequestHeader("content-length".to_owned()));

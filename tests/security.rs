@@ -473,6 +473,38 @@ async fn h2_post(path: &str, id: &str, data: Vec<Vec<u8>>, trailers: &[(&str, &s
     h2_exchange(&sender, request, Duration::from_secs(30)).await
 }
 
+/// Envoy's HTTP/2 codec takes a `:method` of `post`; a server that read it as POST would
+/// serve the client's kv_transfer_params without prefill. Refused on orchestrated and
+/// stripped paths alike, before either leg.
+#[tokio::test]
+async fn an_h2_post_spelled_in_lowercase_is_405_and_reaches_no_worker() {
+    let port = harness().port("stripping");
+    let sender = h2_connect(port).await.expect("h2c connection");
+    for (method, path) in [
+        ("post", "/v1/chat/completions"),
+        ("Post", "/v1/chat/completions"),
+        ("pOST", "/v1/completions"),
+    ] {
+        let id = unique_id("h2-lowercase-post");
+        let request = H2Request {
+            method: method.to_owned(),
+            path: path.to_owned(),
+            headers: vec![
+                ("content-type".to_owned(), "application/json".to_owned()),
+                ("x-request-id".to_owned(), id.clone()),
+            ],
+            data: vec![client_kv_body(&format!("{id} {method}"), 4).into_bytes()],
+            trailers: vec![],
+            reset_after: None,
+        };
+        let outcome = h2_exchange(&sender, request, Duration::from_secs(30)).await;
+        outcome.response(method).assert_json_error(405, method);
+        assert!(prefilled(&id).is_empty(), "{method} {path}");
+        assert!(decoded(&id).is_empty(), "{method} {path}");
+    }
+    assert_healthy();
+}
+
 fn split_in(body: &[u8], parts: usize) -> Vec<Vec<u8>> {
     let size = body.len().div_ceil(parts);
     body.chunks(size).map(<[u8]>::to_vec).collect()

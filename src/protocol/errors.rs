@@ -87,6 +87,16 @@ impl ClientError {
         ))
     }
 
+    /// A method that is POST in another case (`post`).
+    pub fn method_not_post(method: &str) -> ClientError {
+        ClientError::new(
+            405,
+            format!(
+                "method {method:?} is not allowed here: HTTP methods are case-sensitive; use POST"
+            ),
+        )
+    }
+
     pub fn unsupported_media_type(content_type: &str) -> ClientError {
         let shown: String = content_type.chars().take(64).collect();
         ClientError::new(

@@ -1195,6 +1195,23 @@ fn a_client_request_id_that_could_forge_log_lines_is_replaced() {
 }
 
 #[test]
+fn post_in_another_case_is_405_on_orchestrated_and_stripped_paths_only() {
+    let config = r#"{"paths":["/v1/chat/completions"]}"#;
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        let mut s = session(config);
+        let step = s.on_request_headers(&headers("post", path, &[]), false);
+        assert_eq!(reply(&step.commands).0, 405, "{path}");
+    }
+    // Elsewhere, and for other methods, the request is not the filter's.
+    let mut s = session(config);
+    let step = s.on_request_headers(&headers("post", "/v1/models", &[]), false);
+    assert!(!has_reply(&step.commands));
+    let mut s = session(config);
+    let step = s.on_request_headers(&headers("GET", "/v1/chat/completions", &[]), false);
+    assert!(!has_reply(&step.commands));
+}
+
+#[test]
 fn without_configuration_every_request_is_500() {
     let mut s = Session::new(None, HeldBytes::new(0));
     let step = s.on_request_headers(&post("/v1/completions"), false);
