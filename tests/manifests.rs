@@ -1330,6 +1330,14 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             ));
         }
 
+        if hcm["use_remote_address"] != true {
+            error(
+                "use_remote_address is not true: the client's own X-Forwarded-For would be \
+                 its address, and it would choose whom abandoned prefills count against"
+                    .to_owned(),
+            );
+        }
+
         if let Some(problem) = guard_problem(hcm) {
             error(problem);
         }
@@ -1744,6 +1752,16 @@ fn weakened_envoy_configs_are_caught() {
                     .as_object_mut()
                     .unwrap()
                     .remove("common_http_protocol_options");
+            },
+        ),
+        (
+            "the client's X-Forwarded-For taken as its address",
+            "use_remote_address",
+            |c| {
+                first_hcm(c)
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("use_remote_address");
             },
         ),
         ("silent connections kept open", "never sends a byte", |c| {
@@ -2529,6 +2547,42 @@ fn envoy_yaml_says_when_decodes_answer_was_cut_off_in_envoy() {
             .is_some_and(|kind| kind.starts_with("upstream_reset_after_response_started")),
         "{error}"
     );
+}
+
+/// envoy/envoy.yaml takes the connection's peer as the client, never what the client's own
+/// X-Forwarded-For says: a client that leaves prefills running under a new X-Forwarded-For
+/// each time still reaches its limit of abandoned prefills (32 per worker), and is refused.
+#[test]
+fn envoy_yaml_counts_abandoned_prefills_by_the_peer_not_its_x_forwarded_for_in_envoy() {
+    use std::io::Write;
+    let (_runtime, _prefill, _decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-xff");
+    let leaving: Vec<std::net::TcpStream> = (0..40)
+        .map(|n| {
+            let body = format!(
+                r#"{{"model":"m","prompt":"leaves {n} mock:prefill_delay_ms=4000","max_tokens":2}}"#
+            );
+            let request = format!(
+                "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\n\
+                 x-forwarded-for: 198.51.100.{n}\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let mut stream =
+                std::net::TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
+            stream.write_all(request.as_bytes()).expect("send");
+            stream
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    drop(leaving);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let reply = raw_post(
+        envoy.port,
+        "/v1/completions",
+        &[("x-forwarded-for", "203.0.113.9")],
+        COMPLETION_BODY,
+    );
+    openai_error(&reply, 429).unwrap_or_else(|e| panic!("{e}"));
 }
 
 const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
