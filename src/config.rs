@@ -309,7 +309,12 @@ impl Config {
                      /messages, /generate or /v2/chat"
                 ))
             })?;
-            orchestrated_paths.push(OrchestratedPath { path, api });
+            if !orchestrated_paths
+                .iter()
+                .any(|known: &OrchestratedPath| known.path == path)
+            {
+                orchestrated_paths.push(OrchestratedPath { path, api });
+            }
         }
         for path in &raw.kv_stripped_paths {
             check_plain_path("kv_stripped_paths", path)?;
@@ -368,6 +373,21 @@ impl Config {
             return Err(ConfigError(
                 "replace_local_remote_host needs prefill_host_cluster: the filter only knows \
                  the prefill host when a scheduler chose it"
+                    .into(),
+            ));
+        }
+        if raw.prefill_host_cluster.is_none() && !prefill_hosts_allowed.is_empty() {
+            return Err(ConfigError(
+                "prefill_hosts_allowed is read only with prefill_host_cluster, the cluster that \
+                 sends prefill to the host a scheduler named; set both, or neither"
+                    .into(),
+            ));
+        }
+        if prefill_hosts_allowed.allows_every_address() {
+            return Err(ConfigError(
+                "prefill_hosts_allowed: a network of prefix length 0 lets a scheduler's header \
+                 send prefill anywhere, Envoy's admin included; list the prefill pool's \
+                 networks"
                     .into(),
             ));
         }
@@ -476,7 +496,7 @@ const SHAPES: &[(&str, Shape)] = &[
     ),
     ("replace_local_remote_host", Shape::Flag),
     ("prefill_cluster", Shape::Text),
-    ("prefill_timeout_ms", Shape::Count(u64::MAX)),
+    ("prefill_timeout_ms", Shape::Count(u32::MAX as u64)),
     ("paths", Shape::TextList),
     ("kv_stripped_paths", Shape::TextList),
     ("max_request_body_bytes", Shape::Count(u32::MAX as u64)),
@@ -497,7 +517,7 @@ const SHAPES: &[(&str, Shape)] = &[
     ("decode_cluster", Shape::Text),
     ("model_decode_clusters", Shape::TextMap),
     ("max_kv_releases_in_flight", Shape::Count(u32::MAX as u64)),
-    ("kv_release_timeout_ms", Shape::Count(u64::MAX)),
+    ("kv_release_timeout_ms", Shape::Count(u32::MAX as u64)),
     (
         "max_abandoned_prefills_per_client",
         Shape::Count(u32::MAX as u64),
@@ -599,6 +619,43 @@ mod tests {
             assert_eq!(config.prefill_time_header, None);
             assert_eq!(config.prefill_tool_choice, PrefillToolChoice::Rewrite);
         }
+    }
+
+    #[test]
+    fn mistakes_an_operator_would_not_notice_are_refused() {
+        for (config, said) in [
+            (r#"{"prefill_timeout_ms":4294967297}"#, "prefill_timeout_ms"),
+            (
+                r#"{"kv_release_timeout_ms":4294967296}"#,
+                "kv_release_timeout_ms",
+            ),
+            (
+                r#"{"prefill_hosts_allowed":["10.0.0.0/8"]}"#,
+                "only with prefill_host_cluster",
+            ),
+            (
+                r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8","0.0.0.0/0"]}"#,
+                "prefix length 0",
+            ),
+            (
+                r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["::/0"]}"#,
+                "prefix length 0",
+            ),
+        ] {
+            let error = Config::from_json(config.as_bytes()).unwrap_err();
+            assert!(error.0.contains(said), "{config}: {}", error.0);
+        }
+        let longest = Config::from_json(br#"{"prefill_timeout_ms":4294967295}"#).unwrap();
+        assert_eq!(
+            longest.prefill_timeout,
+            Duration::from_millis(u64::from(u32::MAX))
+        );
+        // A path listed twice is one path.
+        let twice = br#"{"paths":["/v1/completions","/v1/completions"]}"#;
+        assert_eq!(
+            Config::from_json(twice).unwrap().orchestrated_paths.len(),
+            1
+        );
     }
 
     #[test]

@@ -49,6 +49,11 @@ impl HostAllowlist {
         Ok(allowlist)
     }
 
+    /// Whether a network covers every address of its family (`0.0.0.0/0`, `::/0`).
+    pub fn allows_every_address(&self) -> bool {
+        self.networks.iter().any(|(_, prefix)| *prefix == 0)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.networks.is_empty() && self.hosts.is_empty()
     }
