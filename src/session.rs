@@ -535,7 +535,7 @@ impl Session {
             // case-sensitive, but a server that read it as POST would serve the client's
             // body, its kv_transfer_params included, without prefill.
             PathVerdict::Orchestrate(_) | PathVerdict::StripKvTransferParams
-                if method.eq_ignore_ascii_case("POST") =>
+                if !is_post && method.eq_ignore_ascii_case("POST") =>
             {
                 self.take_request_id(headers, &mut commands);
                 commands.extend(self.reject(&ClientError::method_not_post(method)));
@@ -900,7 +900,9 @@ impl Session {
                         .as_ref()
                         .map(|logprobs| logprobs.len().saturating_mul(copies))
                         .filter(|size| size.saturating_add(REST_OF_ANSWER) > limit)
-                        .map(|size| ClientError::prompt_logprobs_too_large(size, limit))
+                        .map(|size| {
+                            ClientError::prompt_logprobs_too_large(size, limit, REST_OF_ANSWER)
+                        })
                 };
                 // Prompt logprobs wait in the VM until they go into decode's answer.
                 let mut held_logprobs = None;

@@ -78,12 +78,12 @@ impl ClientError {
     }
 
     /// Prefill's prompt logprobs (`size` bytes) would make decode's answer larger than the
-    /// answers the filter holds.
-    pub fn prompt_logprobs_too_large(size: usize, limit: usize) -> ClientError {
+    /// answers the filter holds: the limit less `room` bytes kept for the rest of it.
+    pub fn prompt_logprobs_too_large(size: usize, limit: usize, room: usize) -> ClientError {
         ClientError::bad_request(format!(
-            "the prompt logprobs for this request are {size} bytes, more than this gateway's \
-             limit of {limit} bytes for an answer; ask for fewer prompt_logprobs or a shorter \
-             prompt"
+            "the prompt logprobs for this request are {size} bytes; with {room} bytes kept for \
+             the rest of the answer, that is more than this gateway's limit of {limit} bytes \
+             for an answer; ask for fewer prompt_logprobs or a shorter prompt"
         ))
     }
 

@@ -1202,6 +1202,12 @@ fn post_in_another_case_is_405_on_orchestrated_and_stripped_paths_only() {
         let step = s.on_request_headers(&headers("post", path, &[]), false);
         assert_eq!(reply(&step.commands).0, 405, "{path}");
     }
+    // POST itself is served on both.
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        let mut s = session(config);
+        let step = s.on_request_headers(&headers("POST", path, &[]), false);
+        assert!(!has_reply(&step.commands), "{path}");
+    }
     // Elsewhere, and for other methods, the request is not the filter's.
     let mut s = session(config);
     let step = s.on_request_headers(&headers("post", "/v1/models", &[]), false);
