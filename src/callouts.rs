@@ -20,8 +20,11 @@ pub enum Job<R> {
 /// Whose answer a token is.
 pub enum Caller<R> {
     Prefill(R),
-    /// A release, with what it takes to send it again.
-    Release(Option<Retry>),
+    /// A release: the request it is for, and what it takes to send it again.
+    Release {
+        request_id: String,
+        retry: Option<Retry>,
+    },
 }
 
 /// A release to send again if decode could not be reached: small calls only (the minimal
@@ -30,6 +33,12 @@ pub struct Retry {
     call: HttpCall,
     /// Attempts made so far.
     attempts: u32,
+}
+
+impl Retry {
+    pub fn request_id(&self) -> &str {
+        self.call.request_id()
+    }
 }
 
 /// Attempts a release gets in all; the waits before the second and later ones, 30 s in all:
@@ -159,7 +168,9 @@ impl<R> Callouts<R> {
         });
         match token {
             Some(token) => {
-                self.calls.insert(token, Caller::Release(retry));
+                let request_id = call.request_id().to_owned();
+                self.calls
+                    .insert(token, Caller::Release { request_id, retry });
                 None
             }
             None => {
@@ -172,7 +183,7 @@ impl<R> Callouts<R> {
     /// Whose answer `token` is; a release's slot is given back.
     pub fn answered(&mut self, token: u32) -> Option<Caller<R>> {
         let caller = self.calls.remove(&token);
-        if let Some(Caller::Release(_)) = caller {
+        if let Some(Caller::Release { .. }) = caller {
             self.releases.finish();
         }
         caller
@@ -221,7 +232,7 @@ mod tests {
     fn call() -> HttpCall {
         HttpCall {
             cluster: "decode".into(),
-            headers: vec![],
+            headers: vec![("x-request-id".into(), "req-9".into())],
             body: vec![],
             timeout: Duration::from_secs(1),
         }
@@ -263,7 +274,10 @@ mod tests {
         assert!(callouts.start_release());
         callouts.release_sent(Some(3), &call(), 1);
         assert!(!callouts.start_release(), "the bound is reached");
-        assert!(matches!(callouts.answered(3), Some(Caller::Release(_))));
+        let Some(Caller::Release { request_id, .. }) = callouts.answered(3) else {
+            panic!("a release's answer");
+        };
+        assert_eq!(request_id, "req-9", "the request its log lines name");
         assert!(callouts.start_release(), "the slot came back");
         assert!(
             callouts.release_sent(None, &call(), 1).is_some(),
@@ -333,7 +347,7 @@ mod tests {
         loop {
             assert!(callouts.start_release());
             callouts.release_sent(Some(9), &call(), attempts);
-            let Some(Caller::Release(retry)) = callouts.answered(9) else {
+            let Some(Caller::Release { retry, .. }) = callouts.answered(9) else {
                 panic!("a release");
             };
             let Some(retry) = retry else {
@@ -358,11 +372,17 @@ mod tests {
             ..call()
         };
         callouts.release_sent(Some(1), &large, 1);
-        assert!(matches!(callouts.answered(1), Some(Caller::Release(None))));
+        assert!(matches!(
+            callouts.answered(1),
+            Some(Caller::Release { retry: None, .. })
+        ));
         let bound = 2 * WAITING_PER_SLOT as u32;
         for n in 0..bound + 1 {
             callouts.release_sent(Some(n), &call(), 1);
-            let Some(Caller::Release(Some(retry))) = callouts.answered(n) else {
+            let Some(Caller::Release {
+                retry: Some(retry), ..
+            }) = callouts.answered(n)
+            else {
                 panic!("a retry");
             };
             assert_eq!(

@@ -293,6 +293,11 @@ impl Worker {
                 .borrow_mut()
                 .wait_for_slot(call.clone(), attempts);
             if !waits {
+                log::warn!(
+                    "[{}] KV release dropped: too many wait for a slot \
+                     (max_kv_releases_in_flight)",
+                    call.request_id()
+                );
                 self.record(Metric::KvReleaseDropped);
             }
             return;
@@ -325,8 +330,9 @@ impl Worker {
             Err(Status::BadArgument) => {
                 // Every release to this cluster fails alike.
                 log::warn!(
-                    "KV release could not be sent to cluster {:?}: Envoy has no such cluster \
-                     (decode_cluster, model_decode_clusters)",
+                    "[{}] KV release could not be sent to cluster {:?}: Envoy has no such \
+                     cluster (decode_cluster, model_decode_clusters)",
+                    call.request_id(),
                     call.cluster
                 );
                 self.record(Metric::KvReleaseFailed);
@@ -335,13 +341,21 @@ impl Worker {
                 // Refused at once: decode's pool is full or has no healthy host, for the
                 // release as for the request it follows.
                 log::warn!(
-                    "KV release to cluster {:?} refused by Envoy at once (attempt {attempts}): \
-                     its pool is full or has no healthy host",
+                    "[{}] KV release to cluster {:?} refused by Envoy at once (attempt \
+                     {attempts}): its pool is full or has no healthy host",
+                    call.request_id(),
                     call.cluster
                 );
                 match retry {
                     Some(retry) => self.release_unreached(retry),
-                    None => self.record(Metric::KvReleaseFailed),
+                    None => {
+                        log::warn!(
+                            "[{}] KV release failed: no attempt left; prefill keeps the KV \
+                             until its own timeout",
+                            call.request_id()
+                        );
+                        self.record(Metric::KvReleaseFailed);
+                    }
                 }
             }
         }
@@ -352,7 +366,12 @@ impl Worker {
     /// while any wait.
     fn release_unreached(&self, retry: Retry) {
         let now = host::now().unwrap_or(UNIX_EPOCH);
+        let request_id = retry.request_id().to_owned();
         if !self.callouts.borrow_mut().retry_later(retry, now) {
+            log::warn!(
+                "[{request_id}] KV release dropped: decode could not be reached and too many \
+                 releases wait to be sent again"
+            );
             self.record(Metric::KvReleaseDropped);
             return;
         }
@@ -403,13 +422,18 @@ impl Worker {
                 );
                 self.act_on(&request, commands, context, &clock);
             }
-            Some(Caller::Release(retry)) => {
-                log::debug!("KV release answered {status:?}");
+            Some(Caller::Release { request_id, retry }) => {
+                log::debug!("[{request_id}] KV release answered {status:?}");
                 if release_succeeded(status) {
                     self.record(Metric::KvReleased);
                 } else if let (true, Some(retry)) = (decode_unreached(status), retry) {
                     self.release_unreached(retry);
                 } else {
+                    log::warn!(
+                        "[{request_id}] KV release failed: decode answered {}; prefill keeps \
+                         the KV until its own timeout",
+                        status.map_or("nothing".to_owned(), |status| status.to_string())
+                    );
                     self.record(Metric::KvReleaseFailed);
                 }
                 self.send_waiting_releases();

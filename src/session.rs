@@ -141,6 +141,16 @@ pub struct HttpCall {
     pub timeout: Duration,
 }
 
+impl HttpCall {
+    /// The `x-request-id` the call carries: the request it is made for.
+    pub fn request_id(&self) -> &str {
+        self.headers
+            .iter()
+            .find(|(name, _)| name == "x-request-id")
+            .map_or("", |(_, value)| value.as_str())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalReply {
     pub status: u16,
