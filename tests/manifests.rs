@@ -2004,7 +2004,7 @@ fn istio_manifests_require_path_normalization_and_refuse_scheduler_headers() {
 /// The EnvoyFilter of deploy/istio named `name`.
 fn envoy_filter(name: &str) -> Value {
     let patches = objects_of_kind("EnvoyFilter");
-    assert_eq!(patches.len(), 2, "deploy/istio: two EnvoyFilters");
+    assert_eq!(patches.len(), 3, "deploy/istio: three EnvoyFilters");
     patches
         .into_iter()
         .find(|patch| patch["metadata"]["name"] == name)
@@ -2045,34 +2045,7 @@ fn istio_guard_refuses_what_the_plugin_did_not_see() {
 
 #[test]
 fn istio_local_replies_patch_the_gateway_with_envoy_yamls_block() {
-    let plugin = wasm_plugin();
-    let patch = &envoy_filter("pd-filter-local-replies");
-    assert_eq!(patch["apiVersion"], "networking.istio.io/v1alpha3");
-    assert_eq!(
-        patch["metadata"]["namespace"], plugin["metadata"]["namespace"],
-        "the EnvoyFilter must live beside the WasmPlugin"
-    );
-    assert_eq!(
-        patch["spec"]["workloadSelector"]["labels"], plugin["spec"]["selector"]["matchLabels"],
-        "the EnvoyFilter must select the plugin's gateway"
-    );
-    let config_patches = patch["spec"]["configPatches"]
-        .as_array()
-        .expect("configPatches");
-    assert_eq!(config_patches.len(), 1, "{config_patches:#?}");
-    let config_patch = &config_patches[0];
-    assert_eq!(config_patch["applyTo"], "NETWORK_FILTER");
-    assert_eq!(config_patch["match"]["context"], "GATEWAY");
-    assert_eq!(
-        config_patch["match"]["listener"]["filterChain"]["filter"]["name"],
-        "envoy.filters.network.http_connection_manager"
-    );
-    assert_eq!(config_patch["patch"]["operation"], "MERGE");
-    let typed_config = &config_patch["patch"]["value"]["typed_config"];
-    assert_eq!(
-        typed_config["@type"],
-        "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
-    );
+    let typed_config = gateway_hcm_merge("pd-filter-local-replies");
     let reference = yaml_file("envoy/envoy.yaml").remove(0);
     let (_, hcm) = http_connection_managers(&reference)[0];
     assert_eq!(
@@ -2086,6 +2059,80 @@ fn istio_local_replies_patch_the_gateway_with_envoy_yamls_block() {
         .keys()
         .collect();
     assert_eq!(keys, ["@type", "local_reply_config"]);
+}
+
+/// deploy/istio/gateway-limits.yaml gives the plugin's gateway envoy/envoy.yaml's limits on
+/// slow clients, underscore spellings and HTTP/2, which Istio does not set.
+#[test]
+fn istio_gateway_limits_patch_the_gateway_with_envoy_yamls_values() {
+    let typed_config = gateway_hcm_merge("pd-filter-gateway-limits");
+    let reference = yaml_file("envoy/envoy.yaml").remove(0);
+    let (_, hcm) = http_connection_managers(&reference)[0];
+    let keys = [
+        "request_headers_timeout",
+        "request_timeout",
+        "stream_idle_timeout",
+        "common_http_protocol_options",
+        "http2_protocol_options",
+    ];
+    for key in keys {
+        assert_eq!(
+            typed_config[key], hcm[key],
+            "deploy/istio/gateway-limits.yaml: {key} as in envoy/envoy.yaml"
+        );
+    }
+    let mut merged: Vec<&str> = typed_config
+        .as_object()
+        .expect("typed_config")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    merged.sort_unstable();
+    let mut expected = [&["@type"][..], &keys[..]].concat();
+    expected.sort_unstable();
+    assert_eq!(merged, expected);
+    // The plugin's body limit fits the HTTP/2 stream window.
+    let body_limit = wasm_plugin()["spec"]["pluginConfig"]["max_request_body_bytes"]
+        .as_u64()
+        .expect("max_request_body_bytes");
+    let window = typed_config["http2_protocol_options"]["initial_stream_window_size"]
+        .as_u64()
+        .expect("initial_stream_window_size");
+    assert!(window >= body_limit, "{window} < {body_limit}");
+}
+
+/// The `typed_config` an EnvoyFilter of deploy/istio merges into the connection managers of
+/// the plugin's gateway, and only there.
+fn gateway_hcm_merge(name: &str) -> Value {
+    let plugin = wasm_plugin();
+    let patch = &envoy_filter(name);
+    assert_eq!(patch["apiVersion"], "networking.istio.io/v1alpha3");
+    assert_eq!(
+        patch["metadata"]["namespace"], plugin["metadata"]["namespace"],
+        "{name}: the EnvoyFilter must live beside the WasmPlugin"
+    );
+    assert_eq!(
+        patch["spec"]["workloadSelector"]["labels"], plugin["spec"]["selector"]["matchLabels"],
+        "{name}: the EnvoyFilter must select the plugin's gateway"
+    );
+    let config_patches = patch["spec"]["configPatches"]
+        .as_array()
+        .expect("configPatches");
+    assert_eq!(config_patches.len(), 1, "{name}: {config_patches:#?}");
+    let config_patch = &config_patches[0];
+    assert_eq!(config_patch["applyTo"], "NETWORK_FILTER");
+    assert_eq!(config_patch["match"]["context"], "GATEWAY");
+    assert_eq!(
+        config_patch["match"]["listener"]["filterChain"]["filter"]["name"],
+        "envoy.filters.network.http_connection_manager"
+    );
+    assert_eq!(config_patch["patch"]["operation"], "MERGE");
+    let typed_config = config_patch["patch"]["value"]["typed_config"].clone();
+    assert_eq!(
+        typed_config["@type"],
+        "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+    );
+    typed_config
 }
 
 // ---------------------------------------------------------------------------------------------
