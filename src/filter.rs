@@ -33,6 +33,7 @@ use crate::callouts::{Caller, Callouts, Job, Retry};
 use crate::config::Config;
 use crate::headers::HeaderLookup;
 use crate::held_bytes::HeldBytes;
+use crate::held_headers_check::{HeldHeadersCheck, NO_BODY_WARNING_AFTER};
 use crate::host;
 use crate::logger;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
@@ -89,6 +90,7 @@ struct Worker {
     /// The root's tick is on (KV releases wait to be sent again).
     ticking: Cell<bool>,
     callouts: RefCell<Callouts<Rc<Request>>>,
+    held_headers: RefCell<HeldHeadersCheck>,
 }
 
 /// A request, shared by its own context and the root (which outlives it).
@@ -159,6 +161,7 @@ impl Worker {
             queue: Cell::new(None),
             ticking: Cell::new(false),
             callouts: RefCell::new(Callouts::default()),
+            held_headers: RefCell::new(HeldHeadersCheck::default()),
         }
     }
 
@@ -791,10 +794,32 @@ impl HttpContext for PdRequest {
                 step
             }
         };
+        let holds_for_body = step.flow == Flow::Pause
+            && !end_of_stream
+            && !step
+                .commands
+                .iter()
+                .any(|command| matches!(command, Command::SendReply(_)));
+        if holds_for_body && self.worker.held_headers.borrow().watching() {
+            let now = host::now().unwrap_or(UNIX_EPOCH);
+            if self.worker.held_headers.borrow_mut().headers_held(now) {
+                log::error!(
+                    "no request whose headers pd-filter held has had its body in {} s: Envoy \
+                     gives a held request its body only when the wasm filter sets \
+                     allow_on_headers_stop_iteration: true, which hold_request_headers and \
+                     model_header need (Istio's WasmPlugin cannot set it: leave both off \
+                     there); until then such requests wait for their timeouts",
+                    NO_BODY_WARNING_AFTER.as_secs()
+                );
+            }
+        }
         self.run(step)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.worker.held_headers.borrow().watching() {
+            self.worker.held_headers.borrow_mut().body_arrived();
+        }
         let step = self
             .request
             .session

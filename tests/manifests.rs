@@ -2632,6 +2632,48 @@ fn envoy_yaml_counts_abandoned_prefills_by_the_peer_not_its_x_forwarded_for_in_e
     openai_error(&reply, 429).unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// An Envoy whose wasm filter lacks `allow_on_headers_stop_iteration` never gives a held
+/// request its body, and every orchestrated request hangs: the filter says why in Envoy's log
+/// once no held request has had its body for 10 s.
+#[test]
+fn a_missing_allow_on_headers_stop_iteration_is_named_in_the_log_in_envoy() {
+    use std::io::Write;
+    let (_runtime, _prefill, decode, envoy) =
+        edited_envoy_yaml_before_mocks("run-envoy-yaml-no-allow", |text| {
+            substitute(&text, "allow_on_headers_stop_iteration: true", "")
+        });
+    let hanging = |n: u32| {
+        let body = format!(r#"{{"model":"m","prompt":"held {n}","max_tokens":2}}"#);
+        let request = format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
+        stream.write_all(request.as_bytes()).expect("send");
+        stream
+    };
+    let _first = hanging(1);
+    std::thread::sleep(std::time::Duration::from_millis(10_200));
+    let _second = hanging(2);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !envoy
+        .log()
+        .contains("allow_on_headers_stop_iteration: true")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no line names the missing setting:\n{}",
+            envoy.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(
+        decode.requests().is_empty(),
+        "held requests never reach decode"
+    );
+}
+
 const COMPLETION_BODY: &str = r#"{"model":"mock-model","prompt":"Hello there","max_tokens":4}"#;
 
 /// envoy/envoy.yaml as shipped takes an HTTP/2 client's body up to the filter's limit: Envoy
