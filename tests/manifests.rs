@@ -310,8 +310,9 @@ fn wasm_plugin_passes_istios_wasm_plugin_schema() {
         spec["url"]
     );
     assert_eq!(
-        spec["failStrategy"], "FAIL_CLOSE",
-        "fail closed: no request may reach decode without its prefill"
+        spec["failStrategy"], "FAIL_RELOAD",
+        "fail closed (no request may reach decode without its prefill), and reload a VM that \
+         died (under FAIL_CLOSE its worker answers 503 until the gateway restarts)"
     );
     assert_eq!(
         spec["phase"], "STATS",
