@@ -37,8 +37,12 @@ use crate::request_id::new_request_id;
 /// read makes vLLM's prefill log an error for the unknown notification.
 const DELIVERY_WINDOW: Duration = Duration::from_secs(2);
 
-/// How far the host's wall clock, which the filter reads, may lag Envoy's timers.
-const CLOCK_SLACK: Duration = Duration::from_millis(5);
+/// How much earlier than the filter reckons Envoy's timeout of a call may fire. Envoy starts
+/// the timer from its event loop's cached time, which under load is older than the clock the
+/// filter reads after sending the call by a whole turn of the loop: tens of milliseconds
+/// were seen with two busy cores. A call reset without headers this close to its deadline
+/// is its timeout.
+const CLOCK_SLACK: Duration = Duration::from_millis(250);
 
 /// Room left for the rest of decode's answer when prefill's prompt logprobs go into it; an
 /// answer that still outgrows the limit goes on as decode wrote it.
