@@ -360,7 +360,27 @@ fn start() -> Harness {
     }
 }
 
+/// A local port nothing listens on until a test binds it. It is taken below the kernel's
+/// range of ephemeral ports: a port in that range may become a connection's own end (even,
+/// when Envoy connects to it while it is closed, a connection to itself), and a mock could
+/// then not bind it. Each call gives another port.
 fn closed_port() -> u16 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or(32768);
+    const LOWEST: u64 = 10_000;
+    if ephemeral_low > LOWEST + 1_000 {
+        let span = ephemeral_low - LOWEST;
+        let start = u64::from(std::process::id()) * 7;
+        for _ in 0..200 {
+            let port = LOWEST + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+            if TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+                return port as u16;
+            }
+        }
+    }
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     listener.local_addr().expect("addr").port()
 }
