@@ -1424,14 +1424,6 @@ fn hardening_errors(config: &Value) -> Vec<String> {
         if !seconds(&hcm["stream_idle_timeout"]).is_some_and(|s| s > 0.0) {
             error("no stream_idle_timeout".to_owned());
         }
-        match seconds(&hcm["delayed_close_timeout"]) {
-            Some(s) if (10.0..=600.0).contains(&s) => {}
-            _ => error(format!(
-                "delayed_close_timeout {} (want 10s to 10 min): Envoy's 1 s drops the tail of \
-                 an answer to a closing client that paused its reading",
-                hcm["delayed_close_timeout"]
-            )),
-        }
 
         // HTTP/2: bounded streams per connection and flow-control windows.
         let http2 = &hcm["http2_protocol_options"];
@@ -1764,16 +1756,6 @@ fn weakened_envoy_configs_are_caught() {
             },
         ),
         (
-            "the tail of an answer dropped for a closing client that paused",
-            "delayed_close_timeout",
-            |c| {
-                first_hcm(c)
-                    .as_object_mut()
-                    .unwrap()
-                    .remove("delayed_close_timeout");
-            },
-        ),
-        (
             "the client's X-Forwarded-For taken as its address",
             "use_remote_address",
             |c| {
@@ -2091,7 +2073,6 @@ fn istio_gateway_limits_patch_the_gateway_with_envoy_yamls_values() {
         "request_headers_timeout",
         "request_timeout",
         "stream_idle_timeout",
-        "delayed_close_timeout",
         "common_http_protocol_options",
         "http2_protocol_options",
     ];
@@ -2691,45 +2672,6 @@ fn a_missing_allow_on_headers_stop_iteration_is_named_in_the_log_in_envoy() {
     assert!(
         decode.requests().is_empty(),
         "held requests never reach decode"
-    );
-}
-
-/// envoy/envoy.yaml gives a client whose connection Envoy closes after the answer (HTTP/1.0
-/// here) the whole answer, though it paused its reading for longer than Envoy's default
-/// delayed close of 1 s. Small socket buffers stand for a remote client's.
-#[test]
-fn envoy_yaml_gives_a_closing_client_that_paused_its_whole_answer_in_envoy() {
-    use std::io::{Read, Write};
-    let (_runtime, _prefill, _decode, envoy) =
-        edited_envoy_yaml_before_mocks("run-envoy-yaml-delayed-close", |text| {
-            substitute(
-                &text,
-                "      per_connection_buffer_limit_bytes: 16777216\n",
-                "      socket_options: [{ level: 1, name: 7, int_value: 65536 }]\n      \
-                 per_connection_buffer_limit_bytes: 16777216\n",
-            )
-        });
-    let body = r#"{"model":"m","prompt":"pauses mock:decode_token_delay_ms=1","max_tokens":2000,"stream":true}"#;
-    let request = format!(
-        "POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n\
-         content-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
-    stream.write_all(request.as_bytes()).expect("send");
-    // Decode streams for about 2 s; the client reads nothing for 6.
-    std::thread::sleep(std::time::Duration::from_secs(6));
-    stream
-        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
-        .expect("timeout");
-    let mut answer = Vec::new();
-    stream.read_to_end(&mut answer).expect("read the answer");
-    let answer = String::from_utf8_lossy(&answer);
-    let events = answer.matches("\"text\":").count();
-    assert!(
-        answer.trim_end().ends_with("data: [DONE]"),
-        "the answer was cut after {} bytes, {events} events",
-        answer.len()
     );
 }
 
