@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use crate::api::Api;
 use crate::protocol::paths::{canonical_path, classify_path, PathVerdict};
-use crate::protocol::rewrite::PrefillToolChoice;
+use crate::protocol::rewrite::{PrefillOptions, PrefillToolChoice};
 use crate::protocol::scheduling::HostAllowlist;
 
 /// What to do when prefill answers 2xx but without usable `kv_transfer_params`.
@@ -206,9 +206,9 @@ pub struct Config {
     /// never reached, or the filter answered an error after prefill).
     pub release_kv_on_abandon: bool,
     pub usage: UsagePolicy,
-    /// Whether prefill's `tool_choice` is rewritten to one a single token can satisfy, or
-    /// kept as the client sent it.
-    pub prefill_tool_choice: PrefillToolChoice,
+    /// How prefill's copy of a request is written where the operator chooses (its
+    /// `tool_choice`).
+    pub prefill_options: PrefillOptions,
     /// Decode runs with vLLM's `--enable-force-include-usage`: a completions or chat stream
     /// carries usage even when its client did not ask for it, so every such stream is read
     /// for its usage. Otherwise only streams whose client sent `stream_options` are.
@@ -431,7 +431,9 @@ impl Config {
             forward_headers,
             release_kv_on_abandon: raw.release_kv_on_abandon,
             usage: raw.usage,
-            prefill_tool_choice: raw.prefill_tool_choice,
+            prefill_options: PrefillOptions {
+                tool_choice: raw.prefill_tool_choice,
+            },
             decode_forces_include_usage: raw.decode_forces_include_usage,
             decode_cluster: raw.decode_cluster,
             model_decode_clusters: raw.model_decode_clusters,
@@ -617,7 +619,10 @@ mod tests {
                 ["authorization", "traceparent"]
             );
             assert_eq!(config.prefill_time_header, None);
-            assert_eq!(config.prefill_tool_choice, PrefillToolChoice::Rewrite);
+            assert_eq!(
+                config.prefill_options.tool_choice,
+                PrefillToolChoice::Rewrite
+            );
         }
     }
 
@@ -661,7 +666,10 @@ mod tests {
     #[test]
     fn prefill_tool_choice_is_rewrite_or_as_sent() {
         let config = Config::from_json(br#"{"prefill_tool_choice":"as_sent"}"#).unwrap();
-        assert_eq!(config.prefill_tool_choice, PrefillToolChoice::AsSent);
+        assert_eq!(
+            config.prefill_options.tool_choice,
+            PrefillToolChoice::AsSent
+        );
         let error = Config::from_json(br#"{"prefill_tool_choice":"keep"}"#).unwrap_err();
         assert!(error.0.contains("rewrite, as_sent"), "{}", error.0);
     }

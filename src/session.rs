@@ -24,7 +24,7 @@ use crate::protocol::scheduling::{
 use crate::protocol::usage::{merge_answer, prompt_usage_for_decode, EventStream, PromptUsage};
 use crate::protocol::{
     check_content_type, is_vllm_json, media_type, prepare_with, read_prefill_answer, ClientError,
-    DecodePlan, FailureKind, PrefillAnswer, PrefillFailure, PrefillOptions, PreparedRequest,
+    DecodePlan, FailureKind, PrefillAnswer, PrefillFailure, PreparedRequest,
 };
 use crate::request_id::new_request_id;
 
@@ -750,7 +750,7 @@ impl Session {
         body: Vec<u8>,
         now: SystemTime,
     ) -> Step {
-        let prepared = match prepare_with(pending.api, &body, prefill_options(config)) {
+        let prepared = match prepare_with(pending.api, &body, config.prefill_options) {
             Ok(prepared) => prepared,
             Err(error) => return Step::new(Flow::Pause, self.reject(&error)),
         };
@@ -1029,7 +1029,7 @@ impl Session {
         // The prefill body is rebuilt rather than kept: retries are rare, memory is not.
         match &prefill.original {
             HeldBody::Whole { body: original, .. } => {
-                let prepared = prepare_with(prefill.api, original, self.prefill_options());
+                let prepared = prepare_with(prefill.api, original, config.prefill_options);
                 self.retry(prefill, prepared, failure, budget_left, now)
             }
             HeldBody::HeadOnly => {
@@ -1064,7 +1064,12 @@ impl Session {
             };
         match body {
             Some(body) => {
-                let prepared = prepare_with(prefill.api, &body, self.prefill_options());
+                let options = self
+                    .config
+                    .as_ref()
+                    .map(|config| config.prefill_options)
+                    .unwrap_or_default();
+                let prepared = prepare_with(prefill.api, &body, options);
                 self.retry(prefill, prepared, failure, budget_left, now)
             }
             None => {
@@ -1617,13 +1622,6 @@ impl Session {
         }
     }
 
-    fn prefill_options(&self) -> PrefillOptions {
-        self.config
-            .as_deref()
-            .map(prefill_options)
-            .unwrap_or_default()
-    }
-
     fn config_limit(&self) -> Option<usize> {
         self.config
             .as_ref()
@@ -1773,12 +1771,6 @@ const LONGEST_REQUEST_ID: usize = 128;
 
 fn is_loggable_id(id: &str) -> bool {
     (1..=LONGEST_REQUEST_ID).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_graphic())
-}
-
-fn prefill_options(config: &Config) -> PrefillOptions {
-    PrefillOptions {
-        tool_choice: config.prefill_tool_choice,
-    }
 }
 
 fn discard(buffered: usize) -> Vec<Command> {
