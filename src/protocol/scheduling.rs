@@ -73,13 +73,23 @@ fn in_network(ip: IpAddr, network: IpAddr, prefix: u8) -> bool {
         _ => ip,
     };
     match (ip, network) {
+        // A prefix longer than the address matches nothing, rather than wrapping to a mask
+        // that matches every address.
         (IpAddr::V4(ip), IpAddr::V4(network)) => {
-            let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
-            u32::from(ip) & mask == u32::from(network) & mask
+            32u32
+                .checked_sub(u32::from(prefix))
+                .is_some_and(|host_bits| {
+                    let mask = u32::MAX.checked_shl(host_bits).unwrap_or(0);
+                    u32::from(ip) & mask == u32::from(network) & mask
+                })
         }
         (IpAddr::V6(ip), IpAddr::V6(network)) => {
-            let mask = u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0);
-            u128::from(ip) & mask == u128::from(network) & mask
+            128u32
+                .checked_sub(u32::from(prefix))
+                .is_some_and(|host_bits| {
+                    let mask = u128::MAX.checked_shl(host_bits).unwrap_or(0);
+                    u128::from(ip) & mask == u128::from(network) & mask
+                })
         }
         _ => false,
     }
@@ -224,6 +234,17 @@ mod tests {
             assert!(err.message.contains("not an allowed"), "{}", err.message);
         }
         assert!(parse_prefill_hosts("x-h", "10.0.0.1:1", &HostAllowlist::default()).is_err());
+    }
+
+    #[test]
+    fn a_prefix_longer_than_the_address_matches_nothing() {
+        let ip = |text: &str| text.parse::<IpAddr>().unwrap();
+        assert!(in_network(ip("10.1.2.3"), ip("10.0.0.0"), 8));
+        assert!(in_network(ip("10.1.2.3"), ip("0.0.0.0"), 0));
+        assert!(!in_network(ip("10.1.2.3"), ip("10.0.0.0"), 33));
+        assert!(!in_network(ip("10.1.2.3"), ip("10.0.0.0"), 255));
+        assert!(in_network(ip("fd00::1"), ip("fd00::"), 8));
+        assert!(!in_network(ip("fd00::1"), ip("fd00::"), 129));
     }
 
     #[test]
