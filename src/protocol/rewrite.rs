@@ -272,11 +272,14 @@ pub fn prepare_with(
              them; ask for prompt_logprobs (not streamed) instead",
         ));
     }
-    if api == Api::Generate && asks_nested_prompt_logprobs(&object) {
-        return Err(ClientError::bad_request(
-            "sampling_params.prompt_logprobs cannot be served through prefill/decode \
-             disaggregation on this API: decode does not compute the prompt",
-        ));
+    if api == Api::Generate {
+        if let Some(field) = sampling_params_skipping_prefills_kv(&object) {
+            return Err(ClientError::bad_request(format!(
+                "sampling_params.{field} cannot be served through prefill/decode \
+                 disaggregation on this API: it makes decode skip its prefix cache, so decode \
+                 would compute the whole prompt again instead of reading prefill's KV"
+            )));
+        }
     }
     // What pydantic reads: whether the answer is streamed.
     let streamed = object.is_true("stream");
@@ -613,11 +616,18 @@ fn lax_count(value: &[u8]) -> Option<usize> {
 }
 
 /// Whether a tokens-in request asks for prompt logprobs (in its `sampling_params`).
-fn asks_nested_prompt_logprobs(object: &JsonObject) -> bool {
-    object
-        .last_value("sampling_params")
-        .and_then(|params| JsonObject::parse(params).ok())
-        .is_some_and(|params| params.is_set("prompt_logprobs"))
+/// The field of a tokens-in request's `sampling_params` that makes vLLM skip reading its
+/// prefix cache (`SamplingParams.skip_reading_prefix_cache`), and with it prefill's KV.
+fn sampling_params_skipping_prefills_kv(object: &JsonObject) -> Option<&'static str> {
+    let params = JsonObject::parse(object.last_value("sampling_params")?).ok()?;
+    ["prompt_logprobs", "prompt_logprob_token_ids"]
+        .into_iter()
+        .find(|field| params.is_set(field))
+        .or_else(|| {
+            params
+                .is_true("skip_reading_prefix_cache")
+                .then_some("skip_reading_prefix_cache")
+        })
 }
 
 /// The path of [`minimal_kv_release_body`]: every vLLM generation server serves it.
@@ -1069,14 +1079,25 @@ mod tests {
         assert_eq!(decode["sampling_params"]["max_tokens"], 300);
         assert_eq!(decode["sampling_params"]["min_tokens"], 20);
         assert_eq!(decode["stream"], true);
-        // Prompt logprobs cannot come from decode on remote KV.
-        let logprobs = r#"{"token_ids":[1],"sampling_params":{"prompt_logprobs":1}}"#;
-        assert_eq!(
-            prepare(Api::Generate, logprobs.as_bytes())
-                .unwrap_err()
-                .status,
-            400
-        );
+        // What makes decode skip its prefix cache would make it compute the prompt again.
+        for params in [
+            r#"{"prompt_logprobs":1}"#,
+            r#"{"prompt_logprob_token_ids":[5]}"#,
+            r#"{"skip_reading_prefix_cache":true}"#,
+        ] {
+            let body = format!(r#"{{"token_ids":[1],"sampling_params":{params}}}"#);
+            let error = prepare(Api::Generate, body.as_bytes()).unwrap_err();
+            assert_eq!(error.status, 400, "{params}");
+            let field = params.split('"').nth(1).unwrap();
+            assert!(error.message.contains(field), "{}", error.message);
+        }
+        for params in [
+            r#"{"prompt_logprobs":null}"#,
+            r#"{"skip_reading_prefix_cache":false}"#,
+        ] {
+            let body = format!(r#"{{"token_ids":[1],"sampling_params":{params}}}"#);
+            assert!(prepare(Api::Generate, body.as_bytes()).is_ok(), "{params}");
+        }
     }
 
     #[test]
