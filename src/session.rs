@@ -44,6 +44,11 @@ const DELIVERY_WINDOW: Duration = Duration::from_secs(2);
 /// is its timeout.
 const CLOCK_SLACK: Duration = Duration::from_millis(250);
 
+/// The least time left for which a failed prefill is tried again. Less would be taken for
+/// the deadline anyway ([`CLOCK_SLACK`]), and a call given under a millisecond goes to Envoy
+/// with a timeout of 0, which Envoy reads as no timeout at all.
+const MIN_RETRY_BUDGET: Duration = CLOCK_SLACK;
+
 /// Room left for the rest of decode's answer when prefill's prompt logprobs go into it; an
 /// answer that still outgrows the limit goes on as decode wrote it.
 const REST_OF_ANSWER: usize = 64 * 1024;
@@ -1019,7 +1024,7 @@ impl Session {
         let budget_left = config
             .prefill_timeout
             .checked_sub(prefill.elapsed(now))
-            .filter(|left| !left.is_zero());
+            .filter(|left| *left >= MIN_RETRY_BUDGET);
         let retry = failure.is_retryable();
         let Some(budget_left) =
             budget_left.filter(|_| retry && prefill.attempt < config.prefill_retries)

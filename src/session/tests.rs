@@ -849,6 +849,27 @@ fn a_retry_reads_the_body_envoy_holds_again() {
 }
 
 #[test]
+fn no_retry_in_the_last_moments_of_the_budget() {
+    // A retry sent with under a millisecond left would reach Envoy with a timeout of 0: none.
+    for failed_at in [999, 800] {
+        let mut s = session(r#"{"prefill_retries":5,"prefill_timeout_ms":1000}"#);
+        send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+        s.on_prefill_dispatched(Some(1), at(0));
+        let commands = s.on_prefill_answer(1, Some(503), b"busy", at(failed_at));
+        assert_eq!(reply(&commands).0, 503, "failed at {failed_at} ms");
+    }
+    let mut s = session(r#"{"prefill_retries":5,"prefill_timeout_ms":1000}"#);
+    send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+    s.on_prefill_dispatched(Some(1), at(0));
+    let commands = s.on_prefill_answer(1, Some(503), b"busy", at(700));
+    assert_eq!(
+        commands,
+        vec![Command::ReadRequestBody],
+        "retried: the body read again"
+    );
+}
+
+#[test]
 fn no_retry_once_the_budget_is_spent_or_for_what_prefill_worked_on() {
     let mut s = session(r#"{"prefill_retries":5,"prefill_timeout_ms":1000}"#);
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
