@@ -17,7 +17,8 @@
 //! `Cargo.toml` pins; the KV-release tests (clients that leave during prefill) fail if an SDK
 //! stops routing answers that way. Where it cannot be done (inside a callback of the root,
 //! whose context the SDK holds borrowed) the call waits in a per-worker shared queue for the
-//! root's next turn, as KV releases always do.
+//! root's next turn, as KV releases do. A call is never sent in a request's own context:
+//! where the queue cannot take it, the root runs it at once the same way.
 
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
@@ -72,6 +73,10 @@ const RETRY_TICK: Duration = Duration::from_millis(250);
 /// ([`Worker::send_as_root`]); never one the host hands out.
 const SEND_NOW: u32 = u32::MAX;
 
+/// The queue id the root's `on_queue_ready` gets for a job run at once
+/// ([`Worker::run_as_root`]); never one the host hands out.
+const RUN_NOW: u32 = u32::MAX - 1;
+
 extern "C" {
     /// The SDK's entry for the host's queue callback, exported by this very module.
     fn proxy_on_queue_ready(context_id: u32, queue_id: u32);
@@ -85,6 +90,8 @@ struct Worker {
     /// The call the root is to send at once, and the token it went out with.
     send_now: RefCell<Option<HttpCall>>,
     sent_now: Cell<Option<u32>>,
+    /// The job the root is to run at once.
+    run_now: RefCell<Option<Job<Rc<Request>>>>,
     stats: OnceCell<Stats>,
     queue: Cell<Option<u32>>,
     /// The root's tick is on (KV releases wait to be sent again).
@@ -157,6 +164,7 @@ impl Worker {
             in_root: Cell::new(false),
             send_now: RefCell::new(None),
             sent_now: Cell::new(None),
+            run_now: RefCell::new(None),
             stats: OnceCell::new(),
             queue: Cell::new(None),
             ticking: Cell::new(false),
@@ -171,10 +179,18 @@ impl Worker {
         }
     }
 
+    /// Runs `work` as a callback of the root, during which the SDK holds the root borrowed.
+    fn as_root<T>(&self, work: impl FnOnce() -> T) -> T {
+        let was_in_root = self.in_root.replace(true);
+        let result = work();
+        self.in_root.set(was_in_root);
+        result
+    }
+
     /// Sends `call` as the root from a request's callback. `Err` gives the call back when
     /// that cannot be done here; `Ok(None)` when it could not be sent.
     fn send_as_root(&self, call: HttpCall) -> Result<Option<u32>, HttpCall> {
-        if self.in_root.get() || self.queue.get().is_none() {
+        if self.in_root.get() {
             return Err(call);
         }
         *self.send_now.borrow_mut() = Some(call);
@@ -186,8 +202,24 @@ impl Worker {
         Ok(self.sent_now.take())
     }
 
+    /// Runs `job` as the root from a request's callback, at once: the SDK drops the answer
+    /// to a call sent in a request's context once that context is gone, and with it the
+    /// call's caller, which holds the request.
+    fn run_as_root(&self, job: Job<Rc<Request>>) {
+        if self.in_root.get() {
+            self.run_job(job, In::Root, &Clock::default());
+            return;
+        }
+        *self.run_now.borrow_mut() = Some(job);
+        // SAFETY: as in `send_as_root`.
+        unsafe { proxy_on_queue_ready(self.root_id, RUN_NOW) };
+        if self.run_now.borrow_mut().take().is_some() {
+            log::warn!("the root context did not run a call handed to it: the call is lost");
+        }
+    }
+
     /// Hands a call to the root: a prefill call is sent at once where possible; others wait
-    /// in the shared queue for the root's turn, or are sent at once where there is no queue.
+    /// in the shared queue for the root's turn, or are run at once where there is no queue.
     fn hand_over(&self, job: Job<Rc<Request>>, clock: &Clock) {
         let job = match job {
             Job::Prefill(request, call) => match self.send_as_root(call) {
@@ -200,7 +232,7 @@ impl Worker {
             job => job,
         };
         let Some(queue) = self.queue.get() else {
-            self.run_job(job, In::Request, clock);
+            self.run_as_root(job);
             return;
         };
         let wake = self.callouts.borrow_mut().queue(job);
@@ -209,7 +241,7 @@ impl Worker {
                 log::warn!("could not wake the root context: {status:?}");
                 let job = self.callouts.borrow_mut().wake_failed();
                 if let Some(job) = job {
-                    self.run_job(job, In::Request, clock);
+                    self.run_as_root(job);
                 }
             }
         }
@@ -226,15 +258,22 @@ impl Worker {
             self.sent_now.set(token);
             return;
         }
-        self.in_root.set(true);
-        while let Ok(Some(_)) = host::dequeue(queue) {}
-        self.callouts.borrow_mut().woken();
-        loop {
-            let job = self.callouts.borrow_mut().next_job();
-            let Some(job) = job else { break };
-            self.run_job(job, In::Root, &Clock::default());
+        if queue == RUN_NOW {
+            let job = self.run_now.borrow_mut().take();
+            if let Some(job) = job {
+                self.as_root(|| self.run_job(job, In::Root, &Clock::default()));
+            }
+            return;
         }
-        self.in_root.set(false);
+        self.as_root(|| {
+            while let Ok(Some(_)) = host::dequeue(queue) {}
+            self.callouts.borrow_mut().woken();
+            loop {
+                let job = self.callouts.borrow_mut().next_job();
+                let Some(job) = job else { break };
+                self.run_job(job, In::Root, &Clock::default());
+            }
+        });
     }
 
     fn run_job(&self, job: Job<Rc<Request>>, context: In, clock: &Clock) {
@@ -632,9 +671,8 @@ impl Context for PdRoot {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        self.worker.in_root.set(true);
-        self.worker.on_answer(token_id, body_size, In::Root);
-        self.worker.in_root.set(false);
+        self.worker
+            .as_root(|| self.worker.on_answer(token_id, body_size, In::Root));
     }
 }
 
@@ -653,7 +691,8 @@ impl RootContext for PdRoot {
             match host::register_shared_queue(&name) {
                 Ok(queue) => self.worker.queue.set(Some(queue)),
                 Err(status) => log::warn!(
-                    "no shared queue ({status:?}): prefill answers for clients that left are lost"
+                    "no shared queue ({status:?}): KV releases are sent at once, not at the \
+                     root's next turn"
                 ),
             }
         }
@@ -693,9 +732,7 @@ impl RootContext for PdRoot {
     }
 
     fn on_tick(&mut self) {
-        self.worker.in_root.set(true);
-        self.worker.on_tick();
-        self.worker.in_root.set(false);
+        self.worker.as_root(|| self.worker.on_tick());
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -738,7 +775,8 @@ struct PdRequest {
 }
 
 impl Context for PdRequest {
-    /// Only calls sent while the worker had no queue answer here.
+    /// Every call goes out as the root's, so none should answer here; one that does is
+    /// taken as the root would take it.
     fn on_http_call_response(
         &mut self,
         token_id: u32,
