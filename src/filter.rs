@@ -819,7 +819,22 @@ impl HttpContext for PdRequest {
             log::warn!("could not mark the request as seen by pd-filter: status {status}");
         }
         // One host call for all headers rather than one per header.
-        let headers = host::header_map(MapType::HttpRequestHeaders).unwrap_or_default();
+        let headers = match host::header_map(MapType::HttpRequestHeaders) {
+            Ok(headers) => headers,
+            // Read as none, they would let an orchestrated path through as any other.
+            Err(status) => {
+                log::debug!("get_header_map_pairs(HttpRequestHeaders): {status:?}");
+                let commands = self
+                    .request
+                    .session
+                    .borrow_mut()
+                    .on_host_failure(HostFailure::ReadRequestHeaders);
+                return self.run(Step {
+                    flow: Flow::Pause,
+                    commands,
+                });
+            }
+        };
         let step = {
             let mut session = self.request.session.borrow_mut();
             let step = session.on_request_headers(&headers, end_of_stream);
@@ -832,12 +847,7 @@ impl HttpContext for PdRequest {
                 step
             }
         };
-        let holds_for_body = step.flow == Flow::Pause
-            && !end_of_stream
-            && !step
-                .commands
-                .iter()
-                .any(|command| matches!(command, Command::SendReply(_)));
+        let holds_for_body = self.request.session.borrow().headers_held_for_body();
         if holds_for_body && self.worker.held_headers.borrow().watching() {
             let now = host::now().unwrap_or(UNIX_EPOCH);
             if self.worker.held_headers.borrow_mut().headers_held(now) {
@@ -855,7 +865,10 @@ impl HttpContext for PdRequest {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if self.worker.held_headers.borrow().watching() {
+        // Only a held request's body says that holding works: others get theirs regardless.
+        if self.worker.held_headers.borrow().watching()
+            && self.request.session.borrow().headers_held_for_body()
+        {
             self.worker.held_headers.borrow_mut().body_arrived();
         }
         let step = self

@@ -209,6 +209,7 @@ pub enum BodyStep {
 /// A host call that failed, reported back to the session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostFailure {
+    ReadRequestHeaders,
     ReadRequestBody,
     ReplaceRequestBody,
 }
@@ -238,6 +239,8 @@ pub struct Session {
     /// back when the session goes, after prefill's answer.
     _abandoned_mark: Option<AbandonedMark>,
     upload: Upload,
+    /// The request's headers were held for a body still to come.
+    headers_held_for_body: bool,
 }
 
 /// The client's request body, as far as the filter has seen it.
@@ -496,7 +499,26 @@ impl Session {
             client: None,
             _abandoned_mark: None,
             upload: Upload::Ended,
+            headers_held_for_body: false,
         }
+    }
+
+    /// Whether the request's headers were held for its body: without Envoy's
+    /// `allow_on_headers_stop_iteration` such a body never comes.
+    pub fn headers_held_for_body(&self) -> bool {
+        self.headers_held_for_body
+    }
+
+    /// Notes whether `step`, the answer to the request's headers, holds them for a body
+    /// still to come (a pause with no reply).
+    fn headers_step(&mut self, step: Step) -> Step {
+        self.headers_held_for_body = step.flow == Flow::Pause
+            && matches!(self.upload, Upload::Arriving { .. })
+            && !step
+                .commands
+                .iter()
+                .any(|command| matches!(command, Command::SendReply(_)));
+        step
     }
 
     pub fn request_id(&self) -> &str {
@@ -520,7 +542,8 @@ impl Session {
             }
         };
         let step = self.request_headers_step(headers, end_of_stream);
-        self.answer_after_upload(step, 0, true)
+        let step = self.answer_after_upload(step, 0, true);
+        self.headers_step(step)
     }
 
     fn request_headers_step<H: HeaderLookup + ?Sized>(
@@ -1443,6 +1466,7 @@ impl Session {
     /// A host call failed; the request cannot go on as planned.
     pub fn on_host_failure(&mut self, failure: HostFailure) -> Vec<Command> {
         let message = match failure {
+            HostFailure::ReadRequestHeaders => "pd-filter could not read the request headers",
             HostFailure::ReadRequestBody => "pd-filter could not read the request body",
             HostFailure::ReplaceRequestBody => "pd-filter could not write the decode request body",
         };
@@ -1533,7 +1557,8 @@ impl Session {
         );
         let error = ClientError::too_many_abandoned_prefills(self.abandoned.limit());
         let step = Step::new(Flow::Pause, self.reject(&error));
-        Some(self.answer_after_upload(step, 0, true))
+        let step = self.answer_after_upload(step, 0, true);
+        Some(self.headers_step(step))
     }
 
     /// Whether the request went on to decode and decode has not answered: when the client

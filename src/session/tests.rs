@@ -171,6 +171,42 @@ fn held_headers_wait_for_prefill_where_the_host_allows_it() {
 }
 
 #[test]
+fn a_request_says_whether_its_headers_wait_for_its_body() {
+    const HOLD: &str = r#"{"hold_request_headers":true}"#;
+    let held_for_body = |config: &str, headers: &[(String, Vec<u8>)], end_of_stream: bool| {
+        let mut s = session(config);
+        s.on_request_headers(headers, end_of_stream);
+        s.headers_held_for_body()
+    };
+    assert!(held_for_body(HOLD, &post("/v1/chat/completions"), false));
+    assert!(held_for_body(HOLD, &post("/invocations"), false));
+    assert!(!held_for_body("{}", &post("/v1/chat/completions"), false));
+    // Passed through, answered at once, or no body to come: nothing waits for a body.
+    assert!(!held_for_body(HOLD, &post("/v1/embeddings"), false));
+    assert!(!held_for_body(HOLD, &post("/v1/chat/completions"), true));
+    let oversized = headers(
+        "POST",
+        "/v1/chat/completions",
+        &[("content-length", "99999999999")],
+    );
+    let refused = held_for_body(HOLD, &oversized, false);
+    let mut s = session(HOLD);
+    let step = s.on_request_headers(&oversized, false);
+    assert_eq!(
+        refused,
+        !has_reply(&step.commands),
+        "a refusal sent at once holds nothing"
+    );
+}
+
+#[test]
+fn request_headers_the_host_cannot_give_are_a_500() {
+    let mut s = session("{}");
+    let commands = s.on_host_failure(HostFailure::ReadRequestHeaders);
+    assert_eq!(reply(&commands).0, 500);
+}
+
+#[test]
 fn an_orchestrated_request_goes_through_prefill_then_decode() {
     let mut session = session(r#"{"prefill_time_header":"x-pd-prefill-ms"}"#);
     let step = session.on_request_headers(&post("/v1/chat/completions"), false);
