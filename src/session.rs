@@ -565,6 +565,11 @@ impl Session {
                 commands.push(Command::ClearRouteCache);
             }
         }
+        // The filter's mark of its own KV releases: a client's would pass its requests off as
+        // releases in decode's logs and in anything that counts them.
+        if headers.value(KV_RELEASE_HEADER).is_some() {
+            commands.push(Command::RemoveRequestHeader(KV_RELEASE_HEADER.to_owned()));
+        }
         let path = headers
             .value(":path")
             .map(|value| String::from_utf8_lossy(value).into_owned())

@@ -862,6 +862,26 @@ async fn a_clients_own_model_header_does_not_pick_the_decode_pool() {
     run_cases_then_still_serves(cases, "models").await;
 }
 
+/// The filter marks its KV releases to decode with `x-pd-kv-release`; a client's copy would
+/// pass its request off as one in decode's logs.
+#[tokio::test]
+async fn a_clients_kv_release_mark_never_reaches_decode() {
+    let h = harness();
+    let id = unique_id("release-mark");
+    let prompt = format!("{id} not a release");
+    let request = Request::post("default", "/v1/completions")
+        .id(&id)
+        .header(common::KV_RELEASE_HEADER, "1")
+        .body(json!({"prompt": prompt, "max_tokens": 3}).to_string());
+    let reply = send(request).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert!(
+        h.kv_releases(&id).is_empty(),
+        "decode got the client's mark"
+    );
+    assert_decode_got_prefills_kv(&id, &prompt);
+}
+
 #[tokio::test]
 async fn a_model_with_control_characters_is_400_before_any_prefill() {
     let mut cases = Vec::new();

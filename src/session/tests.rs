@@ -200,6 +200,20 @@ fn a_request_says_whether_its_headers_wait_for_its_body() {
 }
 
 #[test]
+fn a_clients_kv_release_mark_is_removed_on_every_path() {
+    for path in ["/v1/chat/completions", "/v1/embeddings", "/invocations"] {
+        let mut s = session("{}");
+        let step = s.on_request_headers(&headers("POST", path, &[(KV_RELEASE_HEADER, "1")]), false);
+        assert!(
+            step.commands
+                .contains(&Command::RemoveRequestHeader(KV_RELEASE_HEADER.to_owned())),
+            "{path}: {:?}",
+            step.commands
+        );
+    }
+}
+
+#[test]
 fn request_headers_the_host_cannot_give_are_a_500() {
     let mut s = session("{}");
     let commands = s.on_host_failure(HostFailure::ReadRequestHeaders);
