@@ -535,6 +535,8 @@ fn istio_names_agree_across_the_manifests() {
         "/sleep",
         "/collective_rpc",
         "/update_weights",
+        "/metrics",
+        "/load",
     ] {
         let routed = routes.iter().any(|route| {
             route["match"].as_array().into_iter().flatten().any(|m| {
@@ -1103,6 +1105,7 @@ fn operator_endpoints_problem(hcm: &Value) -> Option<String> {
         "scal(e|ing)_elastic_ep",
         "collective_rpc",
         "update_weight",
+        "metrics",
     ]
     .iter()
     .all(|endpoint| regexes.contains(endpoint))
@@ -2485,6 +2488,13 @@ fn envoy_yaml_keeps_vllms_operator_endpoints_from_clients_in_envoy() {
         "/collective_rpc",
         "/sleep",
         "/fault_tolerance/apply",
+        "/metrics",
+        "/metrics/",
+        "/load",
+        "/openapi.json",
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/redoc",
     ] {
         let reply = raw_post(envoy.port, target, &[], r#"{"request_ids":["victim"]}"#);
         openai_error(&reply, 404).unwrap_or_else(|e| panic!("{target}: {e}"));
