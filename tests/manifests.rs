@@ -693,6 +693,114 @@ fn kubernetes_manifests_are_well_formed() {
     }
 }
 
+/// Whether a Kubernetes label selector (`matchLabels`, `matchExpressions` with `In`) selects
+/// pods with `labels`.
+fn selects(selector: &Value, labels: &Value) -> bool {
+    let labels_match = selector["matchLabels"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .all(|(key, value)| &labels[key] == value);
+    let expressions_match = selector["matchExpressions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .all(|expression| {
+            assert_eq!(expression["operator"], "In", "{expression}");
+            let key = expression["key"].as_str().expect("key");
+            expression["values"]
+                .as_array()
+                .is_some_and(|values| values.contains(&labels[key]))
+        });
+    labels_match && expressions_match
+}
+
+/// The NetworkPolicy keeps the vLLM workers to the gateway (on their API port) and to each
+/// other (the KV transfer, outside the mesh): no client reaches a worker past the filter.
+#[test]
+fn network_policy_lets_only_the_gateway_reach_the_workers_api() {
+    let policy = only_object_of_kind("NetworkPolicy");
+    let deployments = objects_of_kind("Deployment");
+    assert_eq!(
+        policy["metadata"]["namespace"], deployments[0]["metadata"]["namespace"],
+        "the policy's namespace is the workers'"
+    );
+    let gateway_labels = Value::Object(
+        only_object_of_kind("WasmPlugin")["spec"]["selector"]["matchLabels"]
+            .as_object()
+            .expect("the plugin's gateway labels")
+            .clone(),
+    );
+    let spec = &policy["spec"];
+    assert!(
+        spec["policyTypes"]
+            .as_array()
+            .is_some_and(|types| types.contains(&Value::from("Ingress"))),
+        "the policy restricts ingress"
+    );
+    let rules = spec["ingress"].as_array().expect("ingress rules");
+    for deployment in &deployments {
+        let name = &deployment["metadata"]["name"];
+        let pod_labels = &deployment["spec"]["template"]["metadata"]["labels"];
+        assert!(
+            selects(&spec["podSelector"], pod_labels),
+            "the policy covers Deployment {name}"
+        );
+        let api_ports: Vec<&Value> = deployment["spec"]["template"]["spec"]["containers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|container| container["ports"].as_array().into_iter().flatten())
+            .filter(|port| port["name"] == "http")
+            .map(|port| &port["containerPort"])
+            .collect();
+        let from_gateway = rules
+            .iter()
+            .find(|rule| {
+                rule["from"].as_array().into_iter().flatten().any(|peer| {
+                    selects(&peer["podSelector"], &gateway_labels)
+                        && !selects(&peer["podSelector"], pod_labels)
+                })
+            })
+            .expect("a rule for the gateway");
+        let gateway_ports: Vec<&Value> = from_gateway["ports"]
+            .as_array()
+            .expect("the gateway's rule names its ports")
+            .iter()
+            .map(|port| &port["port"])
+            .collect();
+        assert_eq!(
+            gateway_ports, api_ports,
+            "the gateway reaches {name}'s API only"
+        );
+    }
+    for rule in rules {
+        let peers = rule["from"].as_array().expect("every rule names its peers");
+        assert!(!peers.is_empty(), "a rule open to every source: {rule}");
+        for peer in peers {
+            // An empty or missing pod selector picks every pod (of the namespaces selected).
+            let narrowed = ["matchLabels", "matchExpressions"].iter().any(|key| {
+                peer["podSelector"][key]
+                    .as_object()
+                    .map(|labels| !labels.is_empty())
+                    .or_else(|| peer["podSelector"][key].as_array().map(|e| !e.is_empty()))
+                    .unwrap_or(false)
+            });
+            assert!(narrowed, "a peer that selects every pod: {peer}");
+            let selected_someone = deployments.iter().any(|deployment| {
+                selects(
+                    &peer["podSelector"],
+                    &deployment["spec"]["template"]["metadata"]["labels"],
+                )
+            }) || selects(&peer["podSelector"], &gateway_labels);
+            assert!(
+                selected_someone && peer["ipBlock"].is_null(),
+                "a peer other than the gateway and the workers: {peer}"
+            );
+        }
+    }
+}
+
 /// `ADDR:PORT` → PORT.
 fn port_of(address: &str) -> u64 {
     address
