@@ -150,6 +150,9 @@ fn as_pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
         .collect()
 }
 
+/// The callback's answer to Envoy. A step may both resume the stream (or reply) and pause:
+/// Envoy carries out `continue_stream` and `send_local_response` once the callback has
+/// returned, so the pause only stops Envoy from going on by itself in between.
 fn action(flow: Flow) -> Action {
     match flow {
         Flow::Continue => Action::Continue,

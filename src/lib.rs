@@ -3,8 +3,9 @@
 //! Everything the filter decides is host-free and tested natively and as wasm32:
 //! [`session`] (one request's state machine), [`callouts`] (a worker's calls, which outlive
 //! requests), [`protocol`] (the P/D protocol by job),
-//! [`config`], [`headers`], [`held_bytes`], [`held_headers_check`], [`json`], [`log_budget`] and [`api`]. `filter`, `host`, `logger` and `stats` are the thin adapter to the
-//! proxy-wasm host; they are only built for wasm32 and left out of test builds, so that the
+//! [`config`], [`headers`], [`held_bytes`], [`held_headers_check`], [`abandoned`],
+//! [`request_id`], [`json`], [`log_budget`] and [`api`]. `filter`, `host`, `logger` and
+//! `stats` are the thin adapter to the proxy-wasm host; they are only built for wasm32 and left out of test builds, so that the
 //! unit tests also run as wasm32 (under Node's WASI).
 
 // What runs inside Envoy must not panic: a panic kills the VM for every later request.

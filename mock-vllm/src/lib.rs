@@ -1,6 +1,8 @@
 //! Mock vLLM servers for the prefill and decode roles of P/D disaggregation (NIXL connector).
 //!
-//! See `/work/shared/vllm-pd-protocol.md` for the protocol followed here.
+//! They follow vLLM's NIXL protocol as the filter sees it: prefill answers with
+//! `kv_transfer_params` naming its blocks, decode reads them once and reports whether it
+//! reused them (`x-mock-kv`); README.md, "The mock vLLM servers", lists the fault directives.
 
 mod proto;
 

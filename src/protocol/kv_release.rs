@@ -43,8 +43,9 @@ pub fn release_succeeded(status: Option<u16>) -> bool {
     status.is_some_and(|status| (200..300).contains(&status))
 }
 
-/// Releases in flight on one worker, bounded: past the bound a release is dropped (and
-/// counted) rather than queued, so that an abandoning crowd cannot pile up callouts.
+/// Releases in flight on one worker, bounded: past the bound a release waits for a slot
+/// (a bounded number of them, the rest dropped and counted), so that an abandoning crowd
+/// cannot pile up callouts.
 #[derive(Debug)]
 pub struct ReleaseBudget {
     in_flight: u32,

@@ -17,7 +17,6 @@ pub const REMOTE_DECODE_REQUEST: &[u8] = br#"{"do_remote_decode":true,"do_remote
 /// A byte order mark, which RFC 8259 lets a parser ignore and vLLM accepts.
 const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 
-/// Checks the request's content-type: JSON, or absent (curl without `-H`).
 /// A content-type's media type, as written: what comes before any `;` parameters.
 pub fn media_type(content_type: &str) -> &str {
     content_type.split(';').next().unwrap_or(content_type)
@@ -29,6 +28,7 @@ pub fn is_vllm_json(content_type: Option<&str>) -> bool {
     content_type.is_some_and(|value| media_type(value).eq_ignore_ascii_case("application/json"))
 }
 
+/// Checks the request's content-type: JSON, or absent (curl without `-H`).
 pub fn check_content_type(content_type: Option<&str>) -> Result<(), ClientError> {
     let Some(value) = content_type else {
         return Ok(());
@@ -170,7 +170,6 @@ fn json_text(body: &[u8], start: usize) -> &[u8] {
     body.get(start..).unwrap_or_default()
 }
 
-/// Validates the client body and writes the prefill request for it.
 /// What prefill's `tool_choice` is.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -190,10 +189,13 @@ pub struct PrefillOptions {
     pub tool_choice: PrefillToolChoice,
 }
 
+/// [`prepare_with`] the default options.
 pub fn prepare(api: Api, body: &[u8]) -> Result<PreparedRequest, ClientError> {
     prepare_with(api, body, PrefillOptions::default())
 }
 
+/// Validates the client body and writes the prefill request for it, with the plan of the
+/// decode request.
 pub fn prepare_with(
     api: Api,
     body: &[u8],
