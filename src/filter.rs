@@ -919,6 +919,11 @@ impl HttpContext for PdRequest {
         self.run(step)
     }
 
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.request.session.borrow_mut().on_response_trailers();
+        Action::Continue
+    }
+
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let step = self
             .request

@@ -318,6 +318,11 @@ impl EventStream {
         !self.held.is_empty()
     }
 
+    /// How many bytes of an event wait for its end.
+    pub fn held_len(&self) -> usize {
+        self.held.len()
+    }
+
     /// The bytes to send on for `chunk`; `None` when they are exactly `chunk`. An event
     /// longer than [`MAX_HELD_EVENT`], or one the VM's budget has no room for, goes on as
     /// it is.
