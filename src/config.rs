@@ -458,6 +458,13 @@ impl Config {
             .unwrap_or(&self.decode_cluster)
     }
 
+    /// Whether Envoy lets the filter pause at headers and still give it the body: both
+    /// `hold_request_headers` and `model_header` need `allow_on_headers_stop_iteration`, so
+    /// either says it is set.
+    pub fn headers_may_wait_for_body(&self) -> bool {
+        self.hold_request_headers || self.model_header.is_some()
+    }
+
     /// What the filter does with a request to `raw_path`.
     pub fn classify_path(&self, raw_path: &str) -> PathVerdict {
         classify_path(

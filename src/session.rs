@@ -322,12 +322,12 @@ enum AnswerRewrite {
 
 impl AnswerRewrite {
     /// Whether the answer's headers wait for its body, so that the client gets the rewritten
-    /// answer's own `content-length`, as from vLLM; otherwise Envoy frames it. Holding
-    /// headers needs `allow_on_headers_stop_iteration`, which comes with
-    /// `hold_request_headers`: without it Envoy would hold the body from the filter too, and
-    /// the answer would never come.
+    /// answer's own `content-length`, as from vLLM; otherwise Envoy frames it. Only where
+    /// Envoy gives a filter that holds headers the body all the same
+    /// ([`Config::headers_may_wait_for_body`]): otherwise the answer would never come.
     fn holds_headers(&self, config: &Config) -> bool {
-        matches!(self, AnswerRewrite::Whole { length: Some(_) }) && config.hold_request_headers
+        matches!(self, AnswerRewrite::Whole { length: Some(_) })
+            && config.headers_may_wait_for_body()
     }
 }
 
@@ -696,7 +696,7 @@ impl Session {
         // otherwise open decode's stream at once and hold it, and a connection of decode's
         // pool, while the body uploads and prefill works. Needs
         // `allow_on_headers_stop_iteration: true`, or Envoy holds the body too.
-        let flow = if config.model_header.is_some() || config.hold_request_headers {
+        let flow = if config.headers_may_wait_for_body() {
             Flow::Pause
         } else {
             Flow::Continue
@@ -1687,18 +1687,18 @@ impl Session {
     /// end, the body dropped as it comes: a client that writes its whole body before it reads
     /// (httpx's async client, so the async OpenAI and Anthropic SDKs) otherwise meets an
     /// HTTP/1.1 connection Envoy closes under its upload, and never sees the answer. At the
-    /// request headers only where they may be held without the body
-    /// (`hold_request_headers`, `model_header`); never for more than [`REFUSED_UPLOAD_READ_FACTOR`] times the
-    /// body limit. `buffered`: the body Envoy holds now.
+    /// request headers only where they may wait for the body
+    /// ([`Config::headers_may_wait_for_body`]); never for more than
+    /// [`REFUSED_UPLOAD_READ_FACTOR`] times the body limit. `buffered`: the body Envoy holds
+    /// now.
     fn answer_after_upload(&mut self, mut step: Step, buffered: usize, at_headers: bool) -> Step {
         let Upload::Arriving { declared } = self.upload else {
             return step;
         };
-        // Both require `allow_on_headers_stop_iteration`.
         let headers_held = self
             .config
             .as_ref()
-            .is_some_and(|config| config.hold_request_headers || config.model_header.is_some());
+            .is_some_and(|config| config.headers_may_wait_for_body());
         let readable = self.readable_refused_upload();
         if (at_headers && !headers_held) || buffered.max(declared.unwrap_or(0)) > readable {
             return step;
