@@ -809,7 +809,7 @@ impl Context for PdRequest {
             Vec::new()
         };
         self.request.alive.set(false);
-        self.request.session.borrow_mut().on_client_gone();
+        self.request.session.borrow_mut().on_stream_done();
         self.worker
             .act_on(&self.request, release, In::Request, &clock);
         true

@@ -599,7 +599,7 @@ fn answer_retrying(
 #[test]
 fn a_client_that_leaves_during_prefill_has_its_kv_released() {
     let mut s = prefilling("");
-    s.on_client_gone();
+    s.on_stream_done();
     let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(900));
     let release = released(&commands);
     let kv: Value = serde_json::from_str(KV).unwrap();
@@ -624,7 +624,7 @@ fn a_client_that_leaves_during_prefill_has_its_kv_released() {
         r#"{"model":"m","prompt":"x","prompt_logprobs":5,"echo":true}"#,
     ] {
         let mut s = prefilling_body("", body);
-        s.on_client_gone();
+        s.on_stream_done();
         let release = released(&s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(9)));
         assert_eq!(release["prompt"], serde_json::json!([0]), "{body}");
         assert_eq!(release["kv_transfer_params"], kv, "{body}");
@@ -635,16 +635,16 @@ fn a_client_that_leaves_during_prefill_has_its_kv_released() {
     // Gone before the call went out: released once it answers.
     let mut s = session("");
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
-    s.on_client_gone();
+    s.on_stream_done();
     assert!(s.on_prefill_dispatched(Some(3), at(1)).is_empty());
     released(&s.on_prefill_answer(3, Some(200), prefill_ok().as_bytes(), at(2)));
 
     // No KV, nothing to release; not configured, nothing released.
     let mut s = prefilling("");
-    s.on_client_gone();
+    s.on_stream_done();
     assert!(s.on_prefill_answer(1, Some(503), b"", at(2)).is_empty());
     let mut s = prefilling(r#"{"release_kv_on_abandon":false}"#);
-    s.on_client_gone();
+    s.on_stream_done();
     assert!(s
         .on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(2))
         .is_empty());
@@ -694,10 +694,10 @@ fn kv_is_released_only_when_decode_never_took_the_request() {
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     s.on_response_headers(&upstream(200));
-    s.on_client_gone();
+    s.on_stream_done();
     let mut s2 = prefilling("");
     s2.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
-    s2.on_client_gone();
+    s2.on_stream_done();
     assert!(s2
         .on_response_headers(&unreached(unreachable))
         .commands
@@ -1060,7 +1060,7 @@ fn answers_for_other_calls_or_gone_clients_change_nothing() {
     assert!(s
         .on_prefill_answer(4, Some(200), prefill_ok().as_bytes(), at(1))
         .is_empty());
-    s.on_client_gone();
+    s.on_stream_done();
     let commands = s.on_prefill_answer(5, Some(200), prefill_ok().as_bytes(), at(2));
     assert!(commands.iter().all(|c| matches!(c, Command::ReleaseKv(_))));
     assert!(s.on_prefill_dispatched(Some(6), at(3)).is_empty());
@@ -1122,7 +1122,7 @@ fn a_models_kv_is_released_through_its_own_decode_pool() {
         let body = serde_json::json!({"model": model, "prompt": "x"}).to_string();
         send(&mut s, &post("/v1/completions"), &body);
         s.on_prefill_dispatched(Some(1), at(0));
-        s.on_client_gone();
+        s.on_stream_done();
         let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
         assert_eq!(release_call(&commands).cluster, decode_pool, "{model}");
     }
@@ -2112,7 +2112,7 @@ fn what_a_request_keeps_for_its_release_counts_and_a_huge_model_is_not_kept() {
     let model = "m".repeat(2000);
     let body = format!(r#"{{"model":"{model}","prompt":"x","max_tokens":5}}"#);
     let mut s = prefilling_body("", &body);
-    s.on_client_gone();
+    s.on_stream_done();
     let release = released(&s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(9)));
     assert!(release.get("model").is_none(), "{release}");
 }
@@ -2137,7 +2137,7 @@ fn leaves(s: &mut Session, address: &str) {
     if s.wants_address_on_leaving() {
         s.on_leaving_client_address(Some(address.as_bytes()));
     }
-    s.on_client_gone();
+    s.on_stream_done();
 }
 
 #[test]

@@ -1,0 +1,313 @@
+//! Decode's answer on its way to the client: what only prefill knows (the prompt's usage,
+//! prompt logprobs) written into it.
+
+use crate::config::Config;
+use crate::protocol::kv_release::{decode_never_read, decode_refused};
+use crate::protocol::usage::{merge_answer, EventStream};
+use crate::protocol::{media_type, prompt_logprobs};
+
+use super::*;
+
+/// How decode's answer is changed on its way to the client.
+pub(super) enum AnswerRewrite {
+    /// Not at all.
+    Untouched,
+    /// A JSON answer, held whole and written again with merged usage. Its length, when
+    /// decode announced it, tells when it is whole before Envoy says the stream ended; with
+    /// `hold_request_headers`, an announced length also holds the answer's headers for its
+    /// body ([`AnswerRewrite::holds_headers`]).
+    Whole { length: Option<usize> },
+    /// Server-sent events, passed on as they come but for the usage event.
+    Events(EventStream),
+}
+
+impl AnswerRewrite {
+    /// Whether the answer's headers wait for its body, so that the client gets the rewritten
+    /// answer's own `content-length`, as from vLLM; otherwise Envoy frames it. Only where
+    /// Envoy gives a filter that holds headers the body all the same
+    /// ([`Config::headers_may_wait_for_body`]): otherwise the answer would never come.
+    fn holds_headers(&self, config: &Config) -> bool {
+        matches!(self, AnswerRewrite::Whole { length: Some(_) })
+            && config.headers_may_wait_for_body()
+    }
+}
+
+/// What the response headers tell the session.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResponseHead<'a> {
+    pub status: Option<u16>,
+    pub content_type: Option<&'a str>,
+    pub has_request_id: bool,
+    /// Decode's `content-length` header, as sent.
+    pub content_length: Option<&'a [u8]>,
+    /// Decode's `content-encoding` header, as sent.
+    pub content_encoding: Option<&'a [u8]>,
+    /// The answer has no body.
+    pub end_of_stream: bool,
+    /// Envoy's `response.code_details` (`via_upstream` for decode's own answer), when asked
+    /// for ([`Session::wants_response_details`]).
+    pub code_details: Option<&'a str>,
+    /// For an answer Envoy made itself: whether the stream ever had a connection to decode.
+    pub decode_connected: Option<bool>,
+}
+
+impl ResponseHead<'_> {
+    /// Whether the answer's bytes are compressed (or otherwise encoded): the filter cannot
+    /// read them. Decode is not asked to compress, but a proxy on the way may.
+    fn is_encoded(&self) -> bool {
+        self.content_encoding.is_some_and(|coding| {
+            let coding = coding.trim_ascii();
+            !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity")
+        })
+    }
+
+    /// The answer's length in bytes, when decode announced one that is a number.
+    fn announced_length(&self) -> Option<usize> {
+        let text = std::str::from_utf8(self.content_length?).ok()?;
+        text.trim().parse().ok()
+    }
+}
+
+pub(super) fn warn_answer_too_large(request_id: &str, limit: usize) {
+    log::warn!(
+        "[{request_id}] decode's answer is larger than {limit} bytes (max_request_body_bytes): \
+         passed on as decode wrote it, without prefill's usage or prompt logprobs"
+    );
+}
+
+impl Session {
+    /// Whether the response concerns the session at all: only a request sent on to decode
+    /// by the filter. Every other answer goes by without its headers being read.
+    pub fn watches_response(&self) -> bool {
+        matches!(self.state, State::Decoding { .. })
+    }
+
+    /// Whether [`Session::on_response_headers`] needs Envoy's `response.code_details` for an
+    /// answer with this status: only while decode may not have taken the KV prefill made,
+    /// and only for an error: a 5xx Envoy answers with when decode could not be reached, or
+    /// a 4xx that decode (or Envoy) answered.
+    pub fn wants_response_details(&self, status: Option<u16>) -> bool {
+        let unread = matches!(
+            self.state,
+            State::Decoding {
+                unread_kv: Some(_),
+                ..
+            }
+        );
+        unread && status.is_none_or(|status| status >= 400)
+    }
+
+    /// The response to the client begins. Its headers wait only for a JSON answer whose
+    /// usage is merged, when its length is announced and headers may be held.
+    pub fn on_response_headers(&mut self, head: &ResponseHead) -> Step {
+        let Some(config) = self.config.clone() else {
+            return Step::new(Flow::Continue, vec![]);
+        };
+        let State::Decoding {
+            prefill_time,
+            unread_kv,
+            prompt_usage,
+            stream_usage,
+            prompt_logprobs,
+            answer,
+            ..
+        } = &mut self.state
+        else {
+            return Step::new(Flow::Continue, vec![]);
+        };
+        let mut commands = Vec::new();
+        let mut flow = Flow::Continue;
+        if let (Some(name), Some(elapsed)) = (&config.prefill_time_header, prefill_time) {
+            commands.push(Command::AddResponseHeader {
+                name: name.clone(),
+                value: elapsed.as_millis().to_string(),
+            });
+        }
+        if !head.has_request_id && !self.request_id.is_empty() {
+            commands.push(Command::AddResponseHeader {
+                name: "x-request-id".to_owned(),
+                value: self.request_id.clone(),
+            });
+        }
+        let rewrites = (prompt_usage.is_some() || prompt_logprobs.is_some())
+            && head.status == Some(200)
+            && !head.end_of_stream
+            && !head.is_encoded();
+        let essence = head.content_type.map(media_type).unwrap_or_default().trim();
+        let mut rewrite = None;
+        if rewrites && essence.eq_ignore_ascii_case("text/event-stream") {
+            rewrite = (prompt_usage.is_some() && *stream_usage)
+                .then(|| AnswerRewrite::Events(EventStream::new(self.held.clone())));
+        } else if rewrites && essence.eq_ignore_ascii_case("application/json") {
+            rewrite = match head.announced_length() {
+                // Empty, or larger than any answer worth holding: as decode wrote it.
+                Some(0) => None,
+                Some(length) if length > config.max_request_body_bytes => {
+                    warn_answer_too_large(&self.request_id, config.max_request_body_bytes);
+                    None
+                }
+                length => Some(AnswerRewrite::Whole { length }),
+            };
+        }
+        if rewrite
+            .as_ref()
+            .is_some_and(|rewrite| rewrite.holds_headers(&config))
+        {
+            flow = Flow::Pause;
+        }
+        if !matches!(rewrite, Some(AnswerRewrite::Whole { .. })) {
+            // Only a whole JSON answer gets them: they no longer hold the VM's memory.
+            *prompt_logprobs = None;
+        }
+        if let Some(rewrite) = rewrite {
+            // Headers that go on before the answer is rewritten cannot tell its length:
+            // Envoy frames it.
+            if flow == Flow::Continue && head.content_length.is_some() {
+                commands.push(Command::RemoveResponseHeader("content-length".to_owned()));
+            }
+            *answer = rewrite;
+        }
+        // Decode has the request from here on, or never will.
+        let unread = unread_kv.take();
+        if let Some(unread) = unread {
+            let never_reached = head.code_details.is_some_and(decode_never_read)
+                || head.decode_connected == Some(false);
+            let reason = if never_reached {
+                Some("decode was never reached")
+            } else if decode_refused(head.status, head.code_details) {
+                Some("decode refused the request")
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                log::debug!(
+                    "[{}] {reason} ({:?}, {}); releasing the KV",
+                    self.request_id,
+                    head.status,
+                    head.code_details.unwrap_or_default()
+                );
+                commands.extend(self.release(&config, unread));
+            }
+        }
+        Step::new(flow, commands)
+    }
+
+    /// `size` bytes of the answer arrived (all of it held so far, for a whole answer).
+    pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
+        let limit = self.config_limit().unwrap_or_default();
+        match &mut self.state {
+            State::Decoding {
+                answer,
+                prompt_logprobs,
+                ..
+            } => match answer {
+                AnswerRewrite::Untouched => BodyStep::Step(Step::new(Flow::Continue, vec![])),
+                // An empty chunk (often the stream's end) with nothing held changes nothing.
+                AnswerRewrite::Events(events) if size == 0 && !events.holds_bytes() => {
+                    BodyStep::Step(Step::new(Flow::Continue, vec![]))
+                }
+                AnswerRewrite::Events(_) => BodyStep::ReadBody,
+                // Larger than any answer worth holding: it goes on as it is.
+                AnswerRewrite::Whole { .. } if size > limit => {
+                    *answer = AnswerRewrite::Untouched;
+                    *prompt_logprobs = None;
+                    warn_answer_too_large(&self.request_id, limit);
+                    BodyStep::Step(Step::new(Flow::Continue, vec![]))
+                }
+                // Envoy gives decode's body, then the stream's end in a call of its own: an
+                // answer of the length announced is whole already, and is not held for it.
+                AnswerRewrite::Whole { length } if end_of_stream || *length == Some(size) => {
+                    BodyStep::ReadBody
+                }
+                AnswerRewrite::Whole { .. } => BodyStep::Step(Step::new(Flow::Pause, vec![])),
+            },
+            _ => BodyStep::Step(Step::new(Flow::Continue, vec![])),
+        }
+    }
+
+    /// The answer ended with trailers. Envoy then gives no body callback at its end, and the
+    /// filter cannot add body bytes from a trailers callback: part of an event still waiting
+    /// for its end is not sent on. vLLM sends no trailers; a proxy between it and Envoy might.
+    pub fn on_response_trailers(&mut self) {
+        if let State::Decoding {
+            answer: AnswerRewrite::Events(events),
+            ..
+        } = &self.state
+        {
+            if events.holds_bytes() {
+                log::warn!(
+                    "[{}] decode's answer ended with trailers while {} bytes of an event \
+                     waited for its end: the client does not get them",
+                    self.request_id,
+                    events.held_len()
+                );
+            }
+        }
+    }
+
+    /// The answer's bytes asked for by [`Session::on_response_body`]: the latest chunk of an
+    /// event stream, or the whole of a JSON answer.
+    pub fn on_response_body_read(&mut self, body: &[u8], end_of_stream: bool) -> Step {
+        let State::Decoding {
+            prompt_usage,
+            prompt_logprobs,
+            answer,
+            ..
+        } = &mut self.state
+        else {
+            return Step::new(Flow::Continue, vec![]);
+        };
+        let headers_held = self
+            .config
+            .as_ref()
+            .is_some_and(|config| answer.holds_headers(config));
+        let rewritten = match answer {
+            AnswerRewrite::Untouched => None,
+            AnswerRewrite::Whole { .. } => {
+                // Read once, whole: what comes after (the stream's end) goes on as it is.
+                *answer = AnswerRewrite::Untouched;
+                let merged = prompt_usage
+                    .as_ref()
+                    .and_then(|(api, prompt)| merge_answer(*api, body, prompt));
+                let current = merged.as_deref().unwrap_or(body);
+                // Used once: the VM's memory they held is given back with them.
+                prompt_logprobs
+                    .take()
+                    .and_then(|held| {
+                        prompt_logprobs::into_answer(held.api, current, &held.logprobs)
+                    })
+                    .or(merged)
+            }
+            AnswerRewrite::Events(events) => prompt_usage
+                .as_ref()
+                .and_then(|(api, prompt)| events.on_chunk(*api, prompt, body, end_of_stream)),
+        };
+        // Envoy's buffer holds at least `max_request_body_bytes` (documented); a larger
+        // answer would make Envoy answer on its own from inside this callback. Such an answer
+        // goes on as decode wrote it.
+        let limit = self.config_limit().unwrap_or_default();
+        // Often nothing changed (vLLM by default reports no cached_tokens on either leg, and
+        // both count the same prompt): the answer is not written back.
+        let rewritten = rewritten.filter(|rewritten| rewritten.as_slice() != body);
+        let rewritten = rewritten.filter(|rewritten| {
+            let fits = rewritten.len() <= limit;
+            if !fits {
+                log::warn!(
+                    "[{}] the answer with prefill's usage and prompt logprobs would be larger \
+                     than {limit} bytes; passed on as decode wrote it",
+                    self.request_id
+                );
+            }
+            fits
+        });
+        let commands = rewritten
+            .map(|rewritten| Command::ReplaceResponseBody {
+                body: rewritten,
+                replaced_len: body.len(),
+                announce_length: headers_held,
+            })
+            .into_iter()
+            .collect();
+        Step::new(Flow::Continue, commands)
+    }
+}
