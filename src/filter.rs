@@ -40,8 +40,8 @@ use crate::logger;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
 use crate::session::{
-    BodyStep, Command, Flow, HostFailure, HttpCall, Metric, PrefillHead, ResponseHead, Session,
-    Step, FILTER_RAN_FILTER_STATE,
+    reply_without_configuration, BodyStep, Command, Flow, HostFailure, HttpCall, Metric,
+    PrefillHead, ResponseHead, Session, Step, FILTER_RAN_FILTER_STATE,
 };
 use crate::stats::Stats;
 
@@ -743,11 +743,14 @@ impl RootContext for PdRoot {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let Some(config) = self.config.clone() else {
+            return Some(Box::new(Unconfigured));
+        };
         Some(Box::new(PdRequest {
             request: Rc::new(Request {
                 context_id,
                 session: RefCell::new(
-                    Session::new(self.config.clone(), self.held.clone())
+                    Session::new(config, self.held.clone())
                         .with_abandoned_prefills(self.abandoned.clone()),
                 ),
                 alive: Cell::new(true),
@@ -775,6 +778,21 @@ fn decode_was_connected() -> bool {
 struct PdRequest {
     request: Rc<Request>,
     worker: Rc<Worker>,
+}
+
+/// A request on a plugin whose configuration was refused: answered 500, never passed on.
+struct Unconfigured;
+
+impl Context for Unconfigured {}
+
+impl HttpContext for Unconfigured {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let reply = reply_without_configuration();
+        if let Err(status) = host::send_reply(reply.status, &reply.headers, &reply.body) {
+            log::error!("could not send the error reply: {status:?}");
+        }
+        Action::Pause
+    }
 }
 
 impl Context for PdRequest {

@@ -186,9 +186,20 @@ pub struct PrefillHead<'a> {
     pub retry_after: Option<&'a str>,
 }
 
+/// The answer to every request of a plugin whose configuration was refused (Envoy logged
+/// why when it was loaded).
+pub fn reply_without_configuration() -> LocalReply {
+    let error = ClientError::internal("pd-filter has no valid configuration");
+    LocalReply {
+        status: error.status,
+        headers: vec![("content-type".to_owned(), "application/json".to_owned())],
+        body: error.body_for(None),
+    }
+}
+
 /// One request.
 pub struct Session {
-    config: Option<Rc<Config>>,
+    config: Rc<Config>,
     /// What this VM's requests hold in it, shared by them.
     held: HeldBytes,
     request_id: String,
@@ -272,7 +283,7 @@ enum State {
 }
 
 impl Session {
-    pub fn new(config: Option<Rc<Config>>, held: HeldBytes) -> Session {
+    pub fn new(config: Rc<Config>, held: HeldBytes) -> Session {
         Session {
             config,
             held,
@@ -312,8 +323,8 @@ impl Session {
             _ => None,
         };
         let mut commands = vec![self.reply(&ClientError::internal(message))];
-        if let (Some(config), Some(unread)) = (self.config.clone(), unread) {
-            commands.extend(self.release(&config, unread));
+        if let Some(unread) = unread {
+            commands.extend(self.release(&self.config, unread));
         }
         commands
     }
@@ -332,12 +343,6 @@ impl Session {
             }
             _ => Step::new(Flow::Pause, Vec::new()),
         }
-    }
-
-    fn config_limit(&self) -> Option<usize> {
-        self.config
-            .as_ref()
-            .map(|config| config.max_request_body_bytes)
     }
 
     /// Answers a request the filter will not orchestrate because of its own content.

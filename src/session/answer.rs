@@ -100,9 +100,7 @@ impl Session {
     /// The response to the client begins. Its headers wait only for a JSON answer whose
     /// usage is merged, when its length is announced and headers may be held.
     pub fn on_response_headers(&mut self, head: &ResponseHead) -> Step {
-        let Some(config) = self.config.clone() else {
-            return Step::new(Flow::Continue, vec![]);
-        };
+        let config = self.config.clone();
         let State::Decoding {
             prefill_time,
             unread_kv,
@@ -194,7 +192,7 @@ impl Session {
 
     /// `size` bytes of the answer arrived (all of it held so far, for a whole answer).
     pub fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> BodyStep {
-        let limit = self.config_limit().unwrap_or_default();
+        let limit = self.config.max_request_body_bytes;
         match &mut self.state {
             State::Decoding {
                 answer,
@@ -257,10 +255,7 @@ impl Session {
         else {
             return Step::new(Flow::Continue, vec![]);
         };
-        let headers_held = self
-            .config
-            .as_ref()
-            .is_some_and(|config| answer.holds_headers(config));
+        let headers_held = answer.holds_headers(&self.config);
         let rewritten = match answer {
             AnswerRewrite::Untouched => None,
             AnswerRewrite::Whole { .. } => {
@@ -285,7 +280,7 @@ impl Session {
         // Envoy's buffer holds at least `max_request_body_bytes` (documented); a larger
         // answer would make Envoy answer on its own from inside this callback. Such an answer
         // goes on as decode wrote it.
-        let limit = self.config_limit().unwrap_or_default();
+        let limit = self.config.max_request_body_bytes;
         // Often nothing changed (vLLM by default reports no cached_tokens on either leg, and
         // both count the same prompt): the answer is not written back.
         let rewritten = rewritten.filter(|rewritten| rewritten.as_slice() != body);

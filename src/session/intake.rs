@@ -77,12 +77,7 @@ impl Session {
         headers: &H,
         end_of_stream: bool,
     ) -> Step {
-        let Some(config) = self.config.clone() else {
-            let reply = self.reply(&ClientError::internal(
-                "pd-filter has no valid configuration",
-            ));
-            return Step::new(Flow::Pause, vec![reply]);
-        };
+        let config = self.config.clone();
         let mut commands = Vec::new();
         // Routing headers only ever come from the filter or the operator's scheduler.
         if let Some(name) = &config.model_header {
@@ -248,7 +243,7 @@ impl Session {
                 BodyStep::Step(step)
             }
             State::Buffering(_) | State::StrippingKv => {
-                if self.config_limit().is_some_and(|limit| buffered > limit) {
+                if buffered > self.config.max_request_body_bytes {
                     let step = Step::new(Flow::Pause, self.reject_too_large());
                     return BodyStep::Step(self.answer_after_upload(step, buffered, false));
                 }
@@ -274,9 +269,7 @@ impl Session {
 
     /// The whole request body, once it is complete.
     pub fn on_request_complete(&mut self, body: Vec<u8>, now: SystemTime) -> Step {
-        let Some(config) = self.config.clone() else {
-            return self.hold_or_continue();
-        };
+        let config = self.config.clone();
         if body.len() > config.max_request_body_bytes {
             return Step::new(Flow::Pause, self.reject_too_large());
         }
@@ -319,10 +312,7 @@ impl Session {
         let Upload::Arriving { declared } = self.upload else {
             return step;
         };
-        let headers_held = self
-            .config
-            .as_ref()
-            .is_some_and(|config| config.headers_may_wait_for_body());
+        let headers_held = self.config.headers_may_wait_for_body();
         let readable = self.readable_refused_upload();
         if (at_headers && !headers_held) || buffered.max(declared.unwrap_or(0)) > readable {
             return step;
@@ -346,8 +336,8 @@ impl Session {
     }
 
     pub(super) fn readable_refused_upload(&self) -> usize {
-        self.config_limit()
-            .unwrap_or_default()
+        self.config
+            .max_request_body_bytes
             .saturating_mul(REFUSED_UPLOAD_READ_FACTOR)
     }
 
@@ -368,7 +358,7 @@ impl Session {
     }
 
     pub(super) fn reject_too_large(&mut self) -> Vec<Command> {
-        let limit = self.config_limit().unwrap_or_default();
+        let limit = self.config.max_request_body_bytes;
         self.reject(&ClientError::payload_too_large(limit))
     }
 

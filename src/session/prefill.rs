@@ -271,9 +271,7 @@ impl Session {
     ) -> Vec<Command> {
         let status = head.status;
         let read = |body| read_prefill_answer(status, body).with_retry_after(head.retry_after);
-        let Some(config) = self.config.clone() else {
-            return Vec::new();
-        };
+        let config = self.config.clone();
         let prefill = match std::mem::replace(&mut self.state, State::PassThrough) {
             State::AwaitingPrefill { prefill, token: t } if t == token => prefill,
             State::Abandoned {
@@ -427,9 +425,7 @@ impl Session {
         failure: PrefillFailure,
         now: SystemTime,
     ) -> Vec<Command> {
-        let Some(config) = self.config.clone() else {
-            return Vec::new();
-        };
+        let config = self.config.clone();
         let budget_left = config
             .prefill_timeout
             .checked_sub(prefill.elapsed(now))
@@ -478,11 +474,7 @@ impl Session {
             };
         match body {
             Some(body) => {
-                let options = self
-                    .config
-                    .as_ref()
-                    .map(|config| config.prefill_options)
-                    .unwrap_or_default();
+                let options = self.config.prefill_options;
                 let prepared = prepare_with(prefill.api, &body, options);
                 self.retry(prefill, prepared, failure, budget_left, now)
             }
@@ -528,9 +520,7 @@ impl Session {
         failure: &PrefillFailure,
         now: SystemTime,
     ) -> Vec<Command> {
-        let Some(config) = self.config.clone() else {
-            return Vec::new();
-        };
+        let config = self.config.clone();
         let mut commands = self.prefill_time(&prefill, now, PrefillResult::Failed);
         let decode_only = config.on_prefill_failure == PrefillFailurePolicy::DecodeOnly
             && !failure.is_client_error();

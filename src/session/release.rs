@@ -95,9 +95,7 @@ impl Session {
         now: SystemTime,
         decode_connected: impl FnOnce() -> bool,
     ) -> Vec<Command> {
-        let Some(config) = self.config.clone() else {
-            return Vec::new();
-        };
+        let config = self.config.clone();
         let State::Decoding {
             unread_kv,
             resumed_at,

@@ -40,7 +40,7 @@ fn at(offset_ms: u64) -> SystemTime {
 fn session(config: &str) -> Session {
     let config = Config::from_json(config.as_bytes()).unwrap();
     let held = HeldBytes::new(config.max_vm_held_bytes);
-    Session::new(Some(Rc::new(config)), held)
+    Session::new(Rc::new(config), held)
 }
 
 fn headers(method: &str, path: &str, extra: &[(&str, &str)]) -> Vec<(String, Vec<u8>)> {
@@ -1292,9 +1292,13 @@ fn post_in_another_case_is_405_on_orchestrated_and_stripped_paths_only() {
 
 #[test]
 fn without_configuration_every_request_is_500() {
-    let mut s = Session::new(None, HeldBytes::new(0));
-    let step = s.on_request_headers(&post("/v1/completions"), false);
-    assert_eq!(reply(&step.commands).0, 500);
+    let reply = reply_without_configuration();
+    assert_eq!(reply.status, 500);
+    let body: Value = serde_json::from_slice(&reply.body).unwrap();
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("no valid configuration"));
 }
 
 #[test]
@@ -2004,11 +2008,11 @@ fn what_requests_hold_in_the_vm_stays_within_its_budget() {
         r#"{{"prompt":"{}","max_tokens":5,"kv_transfer_params":{{"a":1}}}}"#,
         "x".repeat(280)
     );
-    let mut first = Session::new(Some(config.clone()), held.clone());
+    let mut first = Session::new(config.clone(), held.clone());
     let step = send(&mut first, &post("/v1/completions"), &whole);
     assert!(!has_reply(&step.commands));
     assert!(held.held() > whole.len());
-    let mut second = Session::new(Some(config.clone()), held.clone());
+    let mut second = Session::new(config.clone(), held.clone());
     let step = send(&mut second, &post("/v1/completions"), &whole);
     let (status, body) = reply(&step.commands);
     assert_eq!(status, 503, "{body}");
@@ -2027,7 +2031,7 @@ fn what_requests_hold_in_the_vm_stays_within_its_budget() {
     assert!(held.held() < whole.len());
     drop(first);
     assert_eq!(held.held(), 0, "a request that ends gives its share back");
-    let mut third = Session::new(Some(config.clone()), held.clone());
+    let mut third = Session::new(config.clone(), held.clone());
     assert!(!has_reply(
         &send(&mut third, &post("/v1/completions"), &whole).commands
     ));
@@ -2044,13 +2048,13 @@ fn what_requests_hold_in_the_vm_stays_within_its_budget() {
     let config = Rc::new(Config::from_json(config.as_bytes()).unwrap());
     let held = HeldBytes::new(config.max_vm_held_bytes);
     let asks = r#"{"prompt":"p","max_tokens":5,"prompt_logprobs":1}"#;
-    let mut decoding = Session::new(Some(config.clone()), held.clone());
+    let mut decoding = Session::new(config.clone(), held.clone());
     send(&mut decoding, &post("/v1/completions"), asks);
     decoding.on_prefill_dispatched(Some(1), at(0));
     let commands = decoding.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
     assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
     assert!(held.held() > logprobs.len());
-    let mut refused = Session::new(Some(config.clone()), held.clone());
+    let mut refused = Session::new(config.clone(), held.clone());
     send(&mut refused, &post("/v1/completions"), asks);
     refused.on_prefill_dispatched(Some(1), at(0));
     let commands = refused.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
@@ -2077,7 +2081,7 @@ fn what_requests_hold_in_the_vm_stays_within_its_budget() {
     ));
     assert_eq!(held.held(), 0);
     // An answer that does not get them (an error here) gives them back at its headers.
-    let mut refused_by_decode = Session::new(Some(config.clone()), held.clone());
+    let mut refused_by_decode = Session::new(config.clone(), held.clone());
     send(&mut refused_by_decode, &post("/v1/completions"), asks);
     refused_by_decode.on_prefill_dispatched(Some(1), at(0));
     refused_by_decode.on_prefill_answer(1, Some(200), answer_with(&logprobs).as_bytes(), at(5));
@@ -2101,7 +2105,7 @@ fn what_a_request_keeps_for_its_release_counts_and_a_huge_model_is_not_kept() {
     let held = HeldBytes::new(config.max_vm_held_bytes);
     let token = "t".repeat(700);
     let big = headers("POST", "/v1/completions", &[("authorization", &token)]);
-    let mut s = Session::new(Some(config.clone()), held.clone());
+    let mut s = Session::new(config.clone(), held.clone());
     s.on_request_headers(&big, false);
     assert_eq!(s.on_request_body(14, true), BodyStep::ReadBody);
     let step = s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
