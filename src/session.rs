@@ -147,6 +147,8 @@ pub enum Metric {
     KvReleased,
     KvReleaseFailed,
     KvReleaseDropped,
+    /// Decode counted another prompt than prefill (see [`PromptUsage::decode_counted_another`]).
+    PromptMismatch,
 }
 
 /// The answer to a request callback.
@@ -216,6 +218,8 @@ pub struct Session {
     upload: Upload,
     /// The request's headers were held for a body still to come.
     headers_held_for_body: bool,
+    /// Decode's usage showed it counted another prompt than prefill, and that was said.
+    prompt_mismatch_noted: bool,
 }
 
 /// The client's request body, as far as the filter has seen it.
@@ -295,6 +299,7 @@ impl Session {
             _abandoned_mark: None,
             upload: Upload::Ended,
             headers_held_for_body: false,
+            prompt_mismatch_noted: false,
         }
     }
 

@@ -26,6 +26,7 @@ pub struct Stats {
     kv_released: Option<u32>,
     kv_release_failed: Option<u32>,
     kv_release_dropped: Option<u32>,
+    prompt_mismatches: Option<u32>,
 }
 
 /// The full name of stat `name` with its labels.
@@ -96,6 +97,7 @@ impl Stats {
             kv_released: counter("kv_releases", &[("outcome", "released")]),
             kv_release_failed: counter("kv_releases", &[("outcome", "failed")]),
             kv_release_dropped: counter("kv_releases", &[("outcome", "dropped")]),
+            prompt_mismatches: counter("prompt_mismatches", &[]),
         }
     }
 
@@ -116,6 +118,7 @@ impl Stats {
             Metric::KvReleased => increment(self.kv_released),
             Metric::KvReleaseFailed => increment(self.kv_release_failed),
             Metric::KvReleaseDropped => increment(self.kv_release_dropped),
+            Metric::PromptMismatch => increment(self.prompt_mismatches),
             Metric::PrefillLatency(result, elapsed) => {
                 let histogram = lookup(&PrefillResult::ALL, &self.prefill_latency_ms, &result);
                 if let Some(id) = histogram {

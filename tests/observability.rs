@@ -222,6 +222,59 @@ async fn stats_logs_and_prefill_time_header() {
     );
 }
 
+/// Decode counting another prompt than prefill (two workers that render the request
+/// differently) is counted and logged with both counts, streamed or not; the client's
+/// answer still goes, with prefill's counts.
+#[tokio::test]
+async fn a_decode_that_counted_another_prompt_is_counted_and_logged() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let series = "pd_filter_prompt_mismatches";
+    let before = h.counter(series);
+    let mut ids = Vec::new();
+    for (path, body) in [
+        (
+            COMPLETIONS,
+            r#"{"prompt":"mock:decode_extra_prompt_tokens=5","max_tokens":2}"#,
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"mock:decode_extra_prompt_tokens=5"}],"max_tokens":3,"stream":true,"stream_options":{"include_usage":true}}"#,
+        ),
+    ] {
+        let id = unique_id("prompt-mismatch");
+        let reply = Request::post("default", path)
+            .id(&id)
+            .body(body)
+            .send()
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        ids.push(id);
+    }
+    // Same prompts on both legs: nothing to say.
+    let same = unique_id("prompt-same");
+    assert_served(
+        "default",
+        COMPLETIONS,
+        &same,
+        r#"{"prompt":"a","max_tokens":2}"#,
+    )
+    .await;
+    assert_eq!(h.counter(series) - before, 2);
+    let log = h.envoy_log_text();
+    for id in &ids {
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|line| {
+                line.contains(id.as_str()) && line.contains("rendered different prompts")
+            })
+            .collect();
+        assert_eq!(lines.len(), 1, "{id}: {lines:#?}");
+        assert!(lines[0].contains("[warning]"), "{}", lines[0]);
+    }
+    assert!(!log.contains(&format!("[{same}] prefill counted")));
+}
+
 /// One row of the README's table of stats.
 #[derive(Debug)]
 struct DocumentedStat {

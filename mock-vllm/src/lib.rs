@@ -347,6 +347,9 @@ struct Faults {
     /// Prefill: sends its headers and half its answer, then waits this long before the rest
     /// (`mock:prefill_stall_mid_answer_ms=N`).
     stall_mid_answer_ms: Option<u64>,
+    /// Decode: counts this many prompt tokens more than prefill, as a worker that rendered
+    /// the request into a longer prompt would (`mock:decode_extra_prompt_tokens=N`).
+    extra_prompt_tokens: Option<u64>,
 }
 
 impl Faults {
@@ -378,6 +381,11 @@ impl Faults {
                 num("stall_mid_answer_ms")
             } else {
                 None
+            },
+            extra_prompt_tokens: if prefill {
+                None
+            } else {
+                num("extra_prompt_tokens")
             },
         }
     }
@@ -660,7 +668,10 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     };
     // vLLM 0.33's decode counts the KV it pulled as neither a hit nor a cache write.
     let writes = prefills_hits.map(|_| 0);
-    let answer = answer(shared, parsed, tokens, cached, writes);
+    let mut answer = answer(shared, parsed, tokens, cached, writes);
+    if let Some(extra) = faults.extra_prompt_tokens {
+        answer.prompt_tokens += extra;
+    }
     let mut resp = if faults.gzip {
         gzip_response(&answer, parsed, faults.pace())
     } else if parsed.stream {

@@ -14,6 +14,7 @@ Faults, asked for anywhere in a request body's text:
   mock:prefill_delay_ms=N, mock:decode_delay_ms=N   wait N ms before answering
   mock:prefill_reset                             close the connection without answering
   mock:decode_gzip                               answer gzip-compressed (stored blocks)
+  mock:decode_extra_prompt_tokens=N              count N prompt tokens more than prefill
   mock:prefill_reset_mid_answer, mock:decode_reset_mid_stream   cut the answer short
   mock:prefill_stall_mid_answer_ms=N             send half the answer, wait N ms, send the rest
   mock:prefill_no_kv, mock:prefill_null_kv, mock:prefill_kv_not_object   bad kv_transfer_params

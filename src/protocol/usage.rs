@@ -4,6 +4,8 @@
 //! output counts and takes the prompt's side from prefill as prefill wrote it (the count,
 //! its details: cache hits, cache writes, per-modality counts), totals recomputed.
 
+use std::cell::Cell;
+
 use crate::api::Api;
 use crate::held_bytes::{HeldBytes, Reservation};
 use crate::json::{Edit, JsonObject};
@@ -14,9 +16,31 @@ pub struct PromptUsage {
     pub prompt_tokens: u64,
     /// Prefill's other members of the prompt's side of its usage, as it wrote them.
     members: Vec<(&'static str, Vec<u8>)>,
+    /// The whole prompt as decode counted it in the usage the last merge read: noted there,
+    /// where decode's usage is parsed anyway, for [`PromptUsage::decode_counted_another`].
+    decode_prompt: Cell<Option<u64>>,
 }
 
 impl PromptUsage {
+    /// The whole prompt as prefill counted it: its count, and for the Messages API the cache
+    /// reads and writes it counts apart.
+    fn prompt_total(&self) -> u64 {
+        self.members
+            .iter()
+            .filter_map(|(_, value)| as_count(value))
+            .fold(self.prompt_tokens, u64::saturating_add)
+    }
+
+    /// Prefill's and decode's counts of the whole prompt, when the usage merged last shows
+    /// that decode counted another prompt than prefill: the two legs rendered the request
+    /// differently, and decode's KV (pulled for prefill's prompt) does not match its own.
+    /// Each usage read is reported once.
+    pub fn decode_counted_another(&self) -> Option<(u64, u64)> {
+        let decode = self.decode_prompt.take()?;
+        let prefill = self.prompt_total();
+        (decode != prefill).then_some((prefill, decode))
+    }
+
     /// Prefill counted prompt tokens it computed and wrote to its prefix cache (vLLM 0.33:
     /// `created_cache_tokens`, `cache_write_tokens`, `cache_creation_input_tokens`), in its
     /// usage or in a details object. Decode, which pulled them, counts about none.
@@ -95,6 +119,7 @@ pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
     Some(PromptUsage {
         prompt_tokens: as_count(usage.last_value(fields.prompt)?)?,
         members,
+        decode_prompt: Cell::new(None),
     })
 }
 
@@ -139,6 +164,15 @@ pub fn decode_counts_prefills_hits(kv_transfer_params: &[u8]) -> bool {
 fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
     let fields = fields(api)?;
     let object = JsonObject::parse(usage).ok()?;
+    let decode_prompt = fields
+        .prompt_side
+        .iter()
+        .filter_map(|&key| object.last_value(key).and_then(as_count))
+        .fold(
+            object.last_value(fields.prompt).and_then(as_count),
+            |total, count| total.map(|total| total.saturating_add(count)),
+        );
+    prompt.decode_prompt.set(decode_prompt);
     let output = as_count(object.last_value(fields.output)?)?;
     let prompt_tokens = prompt.prompt_tokens.to_string();
     let total = prompt.prompt_tokens.saturating_add(output).to_string();
@@ -501,10 +535,55 @@ mod tests {
             Some(PromptUsage {
                 prompt_tokens: 7,
                 members: vec![],
+                decode_prompt: Cell::new(None),
             })
         );
         assert_eq!(prompt_usage(Api::Completions, b"{}"), None);
         assert_eq!(prompt_usage(Api::Completions, br#"{"usage":null}"#), None);
+    }
+
+    #[test]
+    fn decode_counting_another_prompt_is_told_once_per_usage_read() {
+        // Prefill counted 7 prompt tokens (Messages: 5 + 2 read from its cache).
+        let cases: [(Api, &[u8], &[u8]); 3] = [
+            (
+                Api::ChatCompletions,
+                br#"{"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}"#,
+                br#"{"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}"#,
+            ),
+            (
+                Api::Responses,
+                br#"{"usage":{"input_tokens":7,"output_tokens":3,"total_tokens":10}}"#,
+                br#"{"usage":{"input_tokens":6,"output_tokens":3,"total_tokens":9}}"#,
+            ),
+            // Decode counts the KV it pulled as cache reads: the whole prompt is the sum.
+            (
+                Api::Messages,
+                br#"{"usage":{"input_tokens":0,"output_tokens":3,"cache_read_input_tokens":7}}"#,
+                br#"{"usage":{"input_tokens":0,"output_tokens":3,"cache_read_input_tokens":8}}"#,
+            ),
+        ];
+        for (api, same, other) in cases {
+            let prefill = match api {
+                Api::Messages => prompt_usage(
+                    api,
+                    br#"{"usage":{"input_tokens":5,"output_tokens":1,"cache_read_input_tokens":2}}"#,
+                ),
+                _ => prompt_usage(api, same),
+            }
+            .unwrap();
+            merge_answer(api, same, &prefill);
+            assert_eq!(
+                prefill.decode_counted_another(),
+                None,
+                "{api:?}: same prompt"
+            );
+            merge_answer(api, other, &prefill);
+            let (from_prefill, from_decode) = prefill.decode_counted_another().unwrap();
+            assert_eq!(from_prefill, 7, "{api:?}");
+            assert_ne!(from_decode, 7, "{api:?}");
+            assert_eq!(prefill.decode_counted_another(), None, "{api:?}: told once");
+        }
     }
 
     #[test]

@@ -277,6 +277,21 @@ impl Session {
                 .as_ref()
                 .and_then(|(api, prompt)| events.on_chunk(*api, prompt, body, end_of_stream)),
         };
+        let mut commands = Vec::new();
+        let counts = prompt_usage
+            .as_ref()
+            .and_then(|(_, prompt)| prompt.decode_counted_another());
+        if let (Some((prefill, decode)), false) = (counts, self.prompt_mismatch_noted) {
+            self.prompt_mismatch_noted = true;
+            log::warn!(
+                "[{}] prefill counted {prefill} prompt tokens and decode {decode}: the two \
+                 workers rendered different prompts, so decode answered from KV computed for \
+                 another prompt (run both pools with the same model, chat template and \
+                 max-model-len)",
+                self.request_id
+            );
+            commands.push(Command::Record(Metric::PromptMismatch));
+        }
         // Envoy's buffer holds at least `max_request_body_bytes` (documented); a larger
         // answer would make Envoy answer on its own from inside this callback. Such an answer
         // goes on as decode wrote it.
@@ -295,14 +310,11 @@ impl Session {
             }
             fits
         });
-        let commands = rewritten
-            .map(|rewritten| Command::ReplaceResponseBody {
-                body: rewritten,
-                replaced_len: body.len(),
-                announce_length: headers_held,
-            })
-            .into_iter()
-            .collect();
+        commands.extend(rewritten.map(|rewritten| Command::ReplaceResponseBody {
+            body: rewritten,
+            replaced_len: body.len(),
+            announce_length: headers_held,
+        }));
         Step::new(Flow::Continue, commands)
     }
 }

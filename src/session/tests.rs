@@ -1550,6 +1550,35 @@ fn prefill_with_usage(cached: u64) -> String {
 }
 
 #[test]
+fn decode_counting_another_prompt_is_counted_once_per_request() {
+    let asks_usage = r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":true,"continuous_usage_stats":true}}"#;
+    let mismatches = |decode_prompt_tokens: u64| {
+        let mut s = prefilling_body("", asks_usage);
+        s.on_prefill_answer(1, Some(200), prefill_with_usage(1).as_bytes(), at(5));
+        s.on_response_headers(&ResponseHead {
+            content_type: Some("text/event-stream"),
+            ..upstream(200)
+        });
+        let mut recorded = 0;
+        for completion_tokens in 1..=3 {
+            let event = format!(
+                "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":{decode_prompt_tokens},\"completion_tokens\":{completion_tokens}}}}}\n\n"
+            );
+            let step = s.on_response_body_read(event.as_bytes(), false);
+            recorded += step
+                .commands
+                .iter()
+                .filter(|c| **c == Command::Record(Metric::PromptMismatch))
+                .count();
+        }
+        recorded
+    };
+    // Prefill counted 3 prompt tokens.
+    assert_eq!(mismatches(3), 0);
+    assert_eq!(mismatches(4), 1, "every usage event shows it; counted once");
+}
+
+#[test]
 fn the_client_sees_prefills_prompt_counts_and_decodes_output_counts() {
     let answer = br#"{"id":"d","choices":[{"text":"abc"}],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":3}}}"#;
     let mut s = prefilling("");
