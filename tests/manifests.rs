@@ -2386,6 +2386,25 @@ fn raw_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> Re
     raw_exchange(port, request.as_bytes())
 }
 
+/// POSTs `body` as JSON to `target`, with `headers`, on a connection left open for the
+/// caller: to read the answer later, or never.
+fn open_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut request = format!(
+        "POST {target} HTTP/1.1\r\nhost: localhost\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    request.push_str(body);
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream.write_all(request.as_bytes()).expect("send");
+    stream
+}
+
 /// Sends `request` as it is and reads the whole answer.
 fn raw_exchange(port: u16, request: &[u8]) -> Reply {
     use std::io::{Read, Write};
@@ -2720,23 +2739,19 @@ fn envoy_yaml_says_when_decodes_answer_was_cut_off_in_envoy() {
 /// each time still reaches its limit of abandoned prefills (32 per worker), and is refused.
 #[test]
 fn envoy_yaml_counts_abandoned_prefills_by_the_peer_not_its_x_forwarded_for_in_envoy() {
-    use std::io::Write;
     let (_runtime, _prefill, _decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-xff");
     let leaving: Vec<std::net::TcpStream> = (0..40)
         .map(|n| {
             let body = format!(
                 r#"{{"model":"m","prompt":"leaves {n} mock:prefill_delay_ms=4000","max_tokens":2}}"#
             );
-            let request = format!(
-                "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\n\
-                 x-forwarded-for: 198.51.100.{n}\r\ncontent-type: application/json\r\n\
-                 content-length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            let mut stream =
-                std::net::TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
-            stream.write_all(request.as_bytes()).expect("send");
-            stream
+            let forged = format!("198.51.100.{n}");
+            open_post(
+                envoy.port,
+                "/v1/completions",
+                &[("x-forwarded-for", &forged)],
+                &body,
+            )
         })
         .collect();
     std::thread::sleep(std::time::Duration::from_millis(500));
@@ -2756,21 +2771,13 @@ fn envoy_yaml_counts_abandoned_prefills_by_the_peer_not_its_x_forwarded_for_in_e
 /// once no held request has had its body for 10 s.
 #[test]
 fn a_missing_allow_on_headers_stop_iteration_is_named_in_the_log_in_envoy() {
-    use std::io::Write;
     let (_runtime, _prefill, decode, envoy) =
         edited_envoy_yaml_before_mocks("run-envoy-yaml-no-allow", |text| {
             substitute(&text, "allow_on_headers_stop_iteration: true", "")
         });
     let hanging = |n: u32| {
         let body = format!(r#"{{"model":"m","prompt":"held {n}","max_tokens":2}}"#);
-        let request = format!(
-            "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\n\
-             content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        let mut stream = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
-        stream.write_all(request.as_bytes()).expect("send");
-        stream
+        open_post(envoy.port, "/v1/completions", &[], &body)
     };
     // Connections spread over Envoy's two workers, each with its own check: enough of each
     // kind that both workers get some.
@@ -2780,15 +2787,7 @@ fn a_missing_allow_on_headers_stop_iteration_is_named_in_the_log_in_envoy() {
     let passed_through: Vec<_> = (0..12)
         .map(|n| {
             let body = format!(r#"{{"model":"m","input":"passed {n}"}}"#);
-            let request = format!(
-                "POST /v1/embeddings HTTP/1.1\r\nhost: localhost\r\n\
-                 content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            let mut stream =
-                std::net::TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
-            stream.write_all(request.as_bytes()).expect("send");
-            stream
+            open_post(envoy.port, "/v1/embeddings", &[], &body)
         })
         .collect();
     std::thread::sleep(std::time::Duration::from_millis(10_200));
