@@ -873,7 +873,8 @@ impl HttpContext for PdRequest {
             let now = host::now().unwrap_or(UNIX_EPOCH);
             if self.worker.held_headers.borrow_mut().headers_held(now) {
                 log::error!(
-                    "no request whose headers pd-filter held has had its body in {} s: Envoy \
+                    "requests whose headers pd-filter held have come for {} s and none has had \
+                     its body: Envoy \
                      gives a held request its body only when the wasm filter sets \
                      allow_on_headers_stop_iteration: true, which hold_request_headers and \
                      model_header need (Istio's WasmPlugin cannot set it: leave both off \
