@@ -2853,7 +2853,9 @@ fn slow_uploads_raise_no_warning_about_held_headers_in_envoy() {
     let reply = raw_post(envoy.port, "/v1/completions", &[], COMPLETION_BODY);
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert!(
-        !envoy.log().contains("gives a held request its body only when"),
+        !envoy
+            .log()
+            .contains("gives a held request its body only when"),
         "{}",
         envoy.log()
     );
