@@ -251,7 +251,8 @@ async fn a_decode_that_counted_another_prompt_is_counted_and_logged() {
         assert_eq!(reply.status, 200, "{}", reply.body);
         ids.push(id);
     }
-    // Same prompts on both legs: nothing to say.
+    // Same prompts on both legs: nothing to say, on the Messages API either, whose decode
+    // counts the KV it pulled as cache reads.
     let same = unique_id("prompt-same");
     assert_served(
         "default",
@@ -260,6 +261,21 @@ async fn a_decode_that_counted_another_prompt_is_counted_and_logged() {
         r#"{"prompt":"a","max_tokens":2}"#,
     )
     .await;
+    for stream in [false, true] {
+        let id = unique_id("prompt-same-messages");
+        let body = serde_json::json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "same prompt"}],
+            "max_tokens": 3,
+            "stream": stream,
+        });
+        let reply = Request::post("default", "/v1/messages")
+            .id(&id)
+            .body(body.to_string())
+            .send()
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
     assert_eq!(h.counter(series) - before, 2);
     let log = h.envoy_log_text();
     for id in &ids {

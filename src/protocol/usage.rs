@@ -11,34 +11,35 @@ use crate::held_bytes::{HeldBytes, Reservation};
 use crate::json::{Edit, JsonObject};
 
 /// What prefill counted for the prompt.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct PromptUsage {
     pub prompt_tokens: u64,
     /// Prefill's other members of the prompt's side of its usage, as it wrote them.
     members: Vec<(&'static str, Vec<u8>)>,
-    /// The whole prompt as decode counted it in the usage the last merge read: noted there,
+    /// How many prompt tokens decode counted in the usage the last merge read: noted there,
     /// where decode's usage is parsed anyway, for [`PromptUsage::decode_counted_another`].
+    /// Not part of what prefill counted (equality leaves it out).
     decode_prompt: Cell<Option<u64>>,
 }
 
-impl PromptUsage {
-    /// The whole prompt as prefill counted it: its count, and for the Messages API the cache
-    /// reads and writes it counts apart.
-    fn prompt_total(&self) -> u64 {
-        self.members
-            .iter()
-            .filter_map(|(_, value)| as_count(value))
-            .fold(self.prompt_tokens, u64::saturating_add)
+impl PartialEq for PromptUsage {
+    fn eq(&self, other: &PromptUsage) -> bool {
+        self.prompt_tokens == other.prompt_tokens && self.members == other.members
     }
+}
 
-    /// Prefill's and decode's counts of the whole prompt, when the usage merged last shows
-    /// that decode counted another prompt than prefill: the two legs rendered the request
-    /// differently, and decode's KV (pulled for prefill's prompt) does not match its own.
-    /// Each usage read is reported once.
+impl Eq for PromptUsage {}
+
+impl PromptUsage {
+    /// Prefill's and decode's prompt counts, when the usage merged last shows that decode
+    /// counted another prompt than prefill: the two legs rendered the request differently,
+    /// and decode's KV (pulled for prefill's prompt) does not match its own. Each usage read
+    /// is reported once. Not on the Messages API, whose `input_tokens` include the cache
+    /// reads in some vLLM releases and not in others: decode counts the KV it pulled as
+    /// such, so its count differs from prefill's for the same prompt.
     pub fn decode_counted_another(&self) -> Option<(u64, u64)> {
         let decode = self.decode_prompt.take()?;
-        let prefill = self.prompt_total();
-        (decode != prefill).then_some((prefill, decode))
+        (decode != self.prompt_tokens).then_some((self.prompt_tokens, decode))
     }
 
     /// Prefill counted prompt tokens it computed and wrote to its prefix cache (vLLM 0.33:
@@ -164,15 +165,10 @@ pub fn decode_counts_prefills_hits(kv_transfer_params: &[u8]) -> bool {
 fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
     let fields = fields(api)?;
     let object = JsonObject::parse(usage).ok()?;
-    let decode_prompt = fields
-        .prompt_side
-        .iter()
-        .filter_map(|&key| object.last_value(key).and_then(as_count))
-        .fold(
-            object.last_value(fields.prompt).and_then(as_count),
-            |total, count| total.map(|total| total.saturating_add(count)),
-        );
-    prompt.decode_prompt.set(decode_prompt);
+    if api != Api::Messages {
+        let decode_prompt = object.last_value(fields.prompt).and_then(as_count);
+        prompt.decode_prompt.set(decode_prompt);
+    }
     let output = as_count(object.last_value(fields.output)?)?;
     let prompt_tokens = prompt.prompt_tokens.to_string();
     let total = prompt.prompt_tokens.saturating_add(output).to_string();
@@ -544,8 +540,8 @@ mod tests {
 
     #[test]
     fn decode_counting_another_prompt_is_told_once_per_usage_read() {
-        // Prefill counted 7 prompt tokens (Messages: 5 + 2 read from its cache).
-        let cases: [(Api, &[u8], &[u8]); 3] = [
+        // Prefill counted 7 prompt tokens.
+        let cases: [(Api, &[u8], &[u8]); 2] = [
             (
                 Api::ChatCompletions,
                 br#"{"usage":{"prompt_tokens":7,"completion_tokens":3,"total_tokens":10}}"#,
@@ -556,22 +552,9 @@ mod tests {
                 br#"{"usage":{"input_tokens":7,"output_tokens":3,"total_tokens":10}}"#,
                 br#"{"usage":{"input_tokens":6,"output_tokens":3,"total_tokens":9}}"#,
             ),
-            // Decode counts the KV it pulled as cache reads: the whole prompt is the sum.
-            (
-                Api::Messages,
-                br#"{"usage":{"input_tokens":0,"output_tokens":3,"cache_read_input_tokens":7}}"#,
-                br#"{"usage":{"input_tokens":0,"output_tokens":3,"cache_read_input_tokens":8}}"#,
-            ),
         ];
         for (api, same, other) in cases {
-            let prefill = match api {
-                Api::Messages => prompt_usage(
-                    api,
-                    br#"{"usage":{"input_tokens":5,"output_tokens":1,"cache_read_input_tokens":2}}"#,
-                ),
-                _ => prompt_usage(api, same),
-            }
-            .unwrap();
+            let prefill = prompt_usage(api, same).unwrap();
             merge_answer(api, same, &prefill);
             assert_eq!(
                 prefill.decode_counted_another(),
@@ -583,6 +566,23 @@ mod tests {
             assert_eq!(from_prefill, 7, "{api:?}");
             assert_ne!(from_decode, 7, "{api:?}");
             assert_eq!(prefill.decode_counted_another(), None, "{api:?}: told once");
+        }
+        // Messages: vLLM 0.11 counts the cache reads in input_tokens (decode: all of them),
+        // 0.33 apart from it; neither says anything.
+        let forms: [(&[u8], &[u8]); 2] = [
+            (
+                br#"{"usage":{"input_tokens":7,"output_tokens":1,"cache_read_input_tokens":2}}"#,
+                br#"{"usage":{"input_tokens":7,"output_tokens":3,"cache_read_input_tokens":7}}"#,
+            ),
+            (
+                br#"{"usage":{"input_tokens":0,"output_tokens":1,"cache_read_input_tokens":2,"cache_creation_input_tokens":5}}"#,
+                br#"{"usage":{"input_tokens":0,"output_tokens":3,"cache_read_input_tokens":7,"cache_creation_input_tokens":0}}"#,
+            ),
+        ];
+        for (prefill_answer, decode_answer) in forms {
+            let prefill = prompt_usage(Api::Messages, prefill_answer).unwrap();
+            merge_answer(Api::Messages, decode_answer, &prefill);
+            assert_eq!(prefill.decode_counted_another(), None);
         }
     }
 
