@@ -216,7 +216,14 @@ impl Worker {
         *self.run_now.borrow_mut() = Some(job);
         // SAFETY: as in `send_as_root`.
         unsafe { proxy_on_queue_ready(self.root_id, RUN_NOW) };
-        if self.run_now.borrow_mut().take().is_some() {
+        let lost = self.run_now.borrow_mut().take();
+        if let Some(Job::Release(call)) = lost {
+            log::warn!(
+                "[{}] KV release dropped: the root context did not run it",
+                call.request_id()
+            );
+            self.record(Metric::KvReleaseDropped);
+        } else if lost.is_some() {
             log::warn!("the root context did not run a call handed to it: the call is lost");
         }
     }

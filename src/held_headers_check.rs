@@ -15,6 +15,10 @@ pub const NO_BODY_WARNING_AFTER: Duration = Duration::from_secs(10);
 /// client's late body is told apart by the requests after it, whose bodies come.
 const BODY_GRACE: Duration = Duration::from_secs(1);
 
+/// How many held requests must have had [`BODY_GRACE`] without their bodies: a few slow
+/// clients spread over the first seconds of a worker are no reason.
+const MIN_SETTLED: u32 = 5;
+
 /// The most arrivals kept while they are younger than [`BODY_GRACE`]; past it the oldest
 /// counts as settled early, which only brings the warning forward under a flood of requests
 /// that all hang.
@@ -29,6 +33,8 @@ pub struct HeldHeadersCheck {
     recent: VecDeque<SystemTime>,
     /// The latest arrival of a held request that had [`BODY_GRACE`] to get its body.
     latest_settled: Option<SystemTime>,
+    /// How many held requests had [`BODY_GRACE`] to get their bodies.
+    settled: u32,
     body_seen: bool,
     warned: bool,
 }
@@ -41,7 +47,8 @@ impl HeldHeadersCheck {
 
     /// A request's headers were held at `now`, its body still to come: `true` once, when held
     /// requests that each had time to get their bodies, and none did, have been arriving for
-    /// [`NO_BODY_WARNING_AFTER`]. Slow clients that all arrived at once do not make it so.
+    /// [`NO_BODY_WARNING_AFTER`], at least [`MIN_SETTLED`] of them. Slow clients that all
+    /// arrived at once, or a few spread out, do not make it so.
     pub fn headers_held(&mut self, now: SystemTime) -> bool {
         if !self.watching() {
             return false;
@@ -54,13 +61,14 @@ impl HeldHeadersCheck {
                 break;
             }
             self.latest_settled = Some(arrived);
+            self.settled = self.settled.saturating_add(1);
             self.recent.pop_front();
         }
         let waited = self
             .latest_settled
             .and_then(|settled| settled.duration_since(first).ok())
             .unwrap_or_default();
-        if waited < NO_BODY_WARNING_AFTER {
+        if waited < NO_BODY_WARNING_AFTER || self.settled < MIN_SETTLED {
             return false;
         }
         self.warned = true;
@@ -86,12 +94,24 @@ mod tests {
     #[test]
     fn warns_once_when_held_requests_keep_coming_without_their_bodies() {
         let mut check = HeldHeadersCheck::default();
-        assert!(!check.headers_held(at(0)));
-        assert!(!check.headers_held(at(9_000)));
+        for millis in [0, 1, 2, 3, 9_000] {
+            assert!(!check.headers_held(at(millis)));
+        }
         // The one at 10.2 s has not had its second yet.
         assert!(!check.headers_held(at(10_200)));
         assert!(check.headers_held(at(11_300)));
         assert!(!check.headers_held(at(12_000)), "once");
+        assert!(!check.watching());
+    }
+
+    #[test]
+    fn a_few_slow_clients_spread_out_are_no_reason() {
+        let mut check = HeldHeadersCheck::default();
+        assert!(!check.headers_held(at(0)));
+        assert!(!check.headers_held(at(10_500)));
+        // A request whose body comes at once, after two slow ones 10.5 s apart.
+        assert!(!check.headers_held(at(11_600)));
+        check.body_arrived();
         assert!(!check.watching());
     }
 

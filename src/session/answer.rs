@@ -13,9 +13,9 @@ pub(super) enum AnswerRewrite {
     /// Not at all.
     Untouched,
     /// A JSON answer, held whole and written again with merged usage. Its length, when
-    /// decode announced it, tells when it is whole before Envoy says the stream ended; with
-    /// `hold_request_headers`, an announced length also holds the answer's headers for its
-    /// body ([`AnswerRewrite::holds_headers`]).
+    /// decode announced it, tells when it is whole before Envoy says the stream ended; where
+    /// headers may wait for a body ([`Config::headers_may_wait_for_body`]), an announced
+    /// length also holds the answer's headers for its body ([`AnswerRewrite::holds_headers`]).
     Whole { length: Option<usize> },
     /// Server-sent events, passed on as they come but for the usage event.
     Events(EventStream),

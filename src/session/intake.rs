@@ -114,7 +114,9 @@ impl Session {
                 commands.push(Command::RemoveRequestHeader("content-length".to_owned()));
                 commands.push(Command::Record(Metric::PassedThrough));
                 // Its body is held whole anyway: with the headers held too, an upload that
-                // never ends takes no decode stream. The body's end continues both.
+                // never ends takes no decode stream. The body's end continues both. The
+                // operator's choice (`hold_request_headers`), not merely what Envoy allows:
+                // a `model_header` alone is for orchestrated requests' routes.
                 let flow = if config.hold_request_headers {
                     Flow::Pause
                 } else {
