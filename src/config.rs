@@ -236,7 +236,12 @@ impl fmt::Display for ConfigError {
 }
 
 /// Headers the filter itself sets on the prefill request.
-const RESERVED_HEADERS: &[&str] = &["content-type", "content-length", "x-request-id"];
+const RESERVED_HEADERS: &[&str] = &[
+    "content-type",
+    "content-length",
+    "x-request-id",
+    crate::session::KV_RELEASE_HEADER,
+];
 
 /// A header name in the lowercase form Envoy uses.
 fn header_name(key: &str, name: &str) -> Result<String, ConfigError> {
@@ -867,6 +872,10 @@ mod tests {
             ),
             (
                 r#"{"forward_headers":["x-request-id"]}"#,
+                "set by the filter",
+            ),
+            (
+                r#"{"forward_headers":["X-PD-KV-Release"]}"#,
                 "set by the filter",
             ),
             (r#"{"forward_headers":["bad header"]}"#, "not a header name"),

@@ -881,11 +881,12 @@ impl HttpContext for PdRequest {
             if self.worker.held_headers.borrow_mut().headers_held(now) {
                 log::error!(
                     "requests whose headers pd-filter held have come for {} s and none has had \
-                     its body: Envoy \
-                     gives a held request its body only when the wasm filter sets \
+                     its body. If every orchestrated request hangs: Envoy gives a held request \
+                     its body only when the wasm filter sets \
                      allow_on_headers_stop_iteration: true, which hold_request_headers and \
                      model_header need (Istio's WasmPlugin cannot set it: leave both off \
-                     there); until then such requests wait for their timeouts",
+                     there); until then such requests wait for their timeouts. Clients that \
+                     hold back their bodies look the same until one body comes",
                     NO_BODY_WARNING_AFTER.as_secs()
                 );
             }
