@@ -852,15 +852,8 @@ impl HttpContext for PdRequest {
             // Read as none, they would let an orchestrated path through as any other.
             Err(status) => {
                 log::debug!("get_header_map_pairs(HttpRequestHeaders): {status:?}");
-                let commands = self
-                    .request
-                    .session
-                    .borrow_mut()
-                    .on_host_failure(HostFailure::ReadRequestHeaders);
-                return self.run(Step {
-                    flow: Flow::Pause,
-                    commands,
-                });
+                let step = self.host_failed(HostFailure::ReadRequestHeaders);
+                return self.run(step);
             }
         };
         let step = {
@@ -991,19 +984,19 @@ impl PdRequest {
                         .on_request_complete(body, clock.now()),
                     Err(status) => {
                         log::debug!("get_buffer(HttpRequestBody): {status:?}");
-                        let commands = self
-                            .request
-                            .session
-                            .borrow_mut()
-                            .on_host_failure(HostFailure::ReadRequestBody);
-                        Step {
-                            flow: Flow::Pause,
-                            commands,
-                        }
+                        self.host_failed(HostFailure::ReadRequestBody)
                     }
                 };
                 self.run_with(step, &clock)
             }
+        }
+    }
+
+    /// The step for a host call that failed on the request's behalf: the client's answer.
+    fn host_failed(&self, failure: HostFailure) -> Step {
+        Step {
+            flow: Flow::Pause,
+            commands: self.request.session.borrow_mut().on_host_failure(failure),
         }
     }
 
