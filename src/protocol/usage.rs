@@ -34,9 +34,8 @@ impl PromptUsage {
     /// Prefill's and decode's prompt counts, when the usage merged last shows that decode
     /// counted another prompt than prefill: the two legs rendered the request differently,
     /// and decode's KV (pulled for prefill's prompt) does not match its own. Each usage read
-    /// is reported once. Not on the Messages API, whose `input_tokens` include the cache
-    /// reads in some vLLM releases and not in others: decode counts the KV it pulled as
-    /// such, so its count differs from prefill's for the same prompt.
+    /// is reported once; only where the API counts the prompt alike on both legs (not the
+    /// Messages API).
     pub fn decode_counted_another(&self) -> Option<(u64, u64)> {
         let decode = self.decode_prompt.take()?;
         (decode != self.prompt_tokens).then_some((self.prompt_tokens, decode))
@@ -71,6 +70,9 @@ struct Fields {
     /// The details object among them, whose `cached_tokens` decode would otherwise report
     /// alone.
     details: Option<&'static str>,
+    /// Whether `prompt` counts the same prompt alike on both legs, so that decode's count
+    /// can be held against prefill's ([`PromptUsage::decode_counted_another`]).
+    prompt_counts_alike: bool,
 }
 
 /// The usage fields of an API; `None` for one whose usage is left as decode wrote it.
@@ -83,6 +85,7 @@ fn fields(api: Api) -> Option<Fields> {
             total: Some("total_tokens"),
             prompt_side: &["prompt_tokens_details"],
             details: Some("prompt_tokens_details"),
+            prompt_counts_alike: true,
         },
         Api::Responses => Fields {
             prompt: "input_tokens",
@@ -90,14 +93,18 @@ fn fields(api: Api) -> Option<Fields> {
             total: Some("total_tokens"),
             prompt_side: &["input_tokens_details"],
             details: Some("input_tokens_details"),
+            prompt_counts_alike: true,
         },
         // vLLM's input_tokens leave out cache reads and writes, which count on their own.
+        // Not in every release: vLLM 0.11 counts the reads in them too, and decode counts the
+        // KV it pulled as read, so the two legs' input_tokens differ for the same prompt.
         Api::Messages => Fields {
             prompt: "input_tokens",
             output: "output_tokens",
             total: None,
             prompt_side: &["cache_read_input_tokens", "cache_creation_input_tokens"],
             details: None,
+            prompt_counts_alike: false,
         },
         // Served by vLLM 0.33 and later only, whose decode counts prefill's cache hits itself.
         Api::CohereChat => return None,
@@ -165,7 +172,7 @@ pub fn decode_counts_prefills_hits(kv_transfer_params: &[u8]) -> bool {
 fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
     let fields = fields(api)?;
     let object = JsonObject::parse(usage).ok()?;
-    if api != Api::Messages {
+    if fields.prompt_counts_alike {
         let decode_prompt = object.last_value(fields.prompt).and_then(as_count);
         prompt.decode_prompt.set(decode_prompt);
     }
