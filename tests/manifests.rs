@@ -2370,26 +2370,9 @@ impl Reply {
     }
 }
 
-/// Sends one HTTP/1.1 POST with the request target exactly as given (no client-side
-/// normalization) and reads the whole answer.
-fn raw_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> Reply {
-    let mut request = format!(
-        "POST {target} HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\
-         content-type: application/json\r\ncontent-length: {}\r\n",
-        body.len()
-    );
-    for (name, value) in headers {
-        request.push_str(&format!("{name}: {value}\r\n"));
-    }
-    request.push_str("\r\n");
-    request.push_str(body);
-    raw_exchange(port, request.as_bytes())
-}
-
-/// POSTs `body` as JSON to `target`, with `headers`, on a connection left open for the
-/// caller: to read the answer later, or never.
-fn open_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> std::net::TcpStream {
-    use std::io::Write;
+/// One HTTP/1.1 POST of `body` as JSON, with the request target exactly as given (no
+/// client-side normalization) and `headers` after the framing ones.
+fn post_request(target: &str, headers: &[(&str, &str)], body: &str) -> String {
     let mut request = format!(
         "POST {target} HTTP/1.1\r\nhost: localhost\r\n\
          content-type: application/json\r\ncontent-length: {}\r\n",
@@ -2400,8 +2383,25 @@ fn open_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> s
     }
     request.push_str("\r\n");
     request.push_str(body);
+    request
+}
+
+/// Sends one POST ([`post_request`]) on a connection closed after it, and reads the whole
+/// answer.
+fn raw_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+    let mut all = vec![("connection", "close")];
+    all.extend_from_slice(headers);
+    raw_exchange(port, post_request(target, &all, body).as_bytes())
+}
+
+/// Sends one POST ([`post_request`]) on a connection left open for the caller: to read the
+/// answer later, or never.
+fn open_post(port: u16, target: &str, headers: &[(&str, &str)], body: &str) -> std::net::TcpStream {
+    use std::io::Write;
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    stream.write_all(request.as_bytes()).expect("send");
+    stream
+        .write_all(post_request(target, headers, body).as_bytes())
+        .expect("send");
     stream
 }
 
