@@ -23,7 +23,7 @@ mod body;
 
 fn kv_transfer_params() -> &'static [u8] {
     match read_prefill_answer(Some(200), body::PREFILL_ANSWER) {
-        PrefillAnswer::KvTransferParams(kv) => kv,
+        PrefillAnswer::KvTransferParams(handed) => handed.kv,
         other => panic!("the bench prefill answer has no kv_transfer_params: {other:?}"),
     }
 }
@@ -62,7 +62,7 @@ fn rewrite(c: &mut Criterion) {
                 black_box(&prepared.prefill_body);
                 let answer = black_box(body::PREFILL_ANSWER);
                 let kv = match read_prefill_answer(Some(200), answer) {
-                    PrefillAnswer::KvTransferParams(kv) => kv,
+                    PrefillAnswer::KvTransferParams(handed) => handed.kv,
                     _ => unreachable!(),
                 };
                 prepared.decode.edit_with_kv(&body, kv)

@@ -355,6 +355,56 @@ struct Scanner<'a> {
     pos: usize,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Container {
+    Object,
+    Array,
+}
+
+/// The containers a value has open, innermost last: a bit per level (set for an object) in
+/// one word, so that the usual few levels cost no allocation; deeper levels on the heap.
+#[derive(Default)]
+struct OpenContainers {
+    depth: usize,
+    first_levels: u64,
+    deeper: Vec<Container>,
+}
+
+impl OpenContainers {
+    fn push(&mut self, container: Container) {
+        if self.depth < 64 {
+            let bit = 1u64 << self.depth;
+            if container == Container::Object {
+                self.first_levels |= bit;
+            } else {
+                self.first_levels &= !bit;
+            }
+        } else {
+            self.deeper.push(container);
+        }
+        self.depth += 1;
+    }
+
+    fn pop(&mut self) {
+        if self.depth > 64 {
+            self.deeper.pop();
+        }
+        self.depth = self.depth.saturating_sub(1);
+    }
+
+    fn innermost(&self) -> Option<Container> {
+        match self.depth {
+            0 => None,
+            1..=64 => Some(if self.first_levels >> (self.depth - 1) & 1 == 1 {
+                Container::Object
+            } else {
+                Container::Array
+            }),
+            _ => self.deeper.last().copied(),
+        }
+    }
+}
+
 /// Whether a byte inside a string needs a look: `"`, `\\`, a control byte (which JSON forbids
 /// there) or a non-ASCII byte (whose UTF-8 is checked).
 fn is_special(byte: u8) -> bool {
@@ -555,10 +605,35 @@ impl<'a> Scanner<'a> {
         Ok(key)
     }
 
+    /// `"key" :` inside a value, checked as [`Scanner::key`] checks it, with the position
+    /// left at the value; the key itself is not needed.
+    fn nested_key(&mut self) -> Result<(), JsonError> {
+        self.skip_whitespace();
+        if self.peek() != Some(b'"') {
+            return Err(self.error("expected a string key"));
+        }
+        let start = self.pos;
+        if self.string()? {
+            // Escapes are checked as a key's: the rare case, left to the full check.
+            let raw = self.bytes.get(start..self.pos).unwrap_or_default();
+            if serde_json::from_slice::<String>(raw).is_err() {
+                return Err(JsonError {
+                    kind: JsonErrorKind::Syntax("invalid escape in a key"),
+                    offset: start,
+                });
+            }
+        }
+        self.skip_whitespace();
+        if self.peek() != Some(b':') {
+            return Err(self.error("expected ':'"));
+        }
+        self.pos += 1;
+        Ok(())
+    }
+
     /// One complete value of any depth.
     fn value(&mut self) -> Result<(), JsonError> {
-        // Open containers: b'[' or b'{'.
-        let mut open: Vec<u8> = Vec::new();
+        let mut open = OpenContainers::default();
         loop {
             self.skip_whitespace();
             match self.peek() {
@@ -568,8 +643,8 @@ impl<'a> Scanner<'a> {
                     if self.peek() == Some(b'}') {
                         self.pos += 1;
                     } else {
-                        open.push(b'{');
-                        self.key()?;
+                        open.push(Container::Object);
+                        self.nested_key()?;
                         continue;
                     }
                 }
@@ -579,7 +654,7 @@ impl<'a> Scanner<'a> {
                     if self.peek() == Some(b']') {
                         self.pos += 1;
                     } else {
-                        open.push(b'[');
+                        open.push(Container::Array);
                         continue;
                     }
                 }
@@ -594,26 +669,26 @@ impl<'a> Scanner<'a> {
             }
             // A value is complete: close what it completes, stop at the next separator.
             loop {
-                let Some(&container) = open.last() else {
+                let Some(container) = open.innermost() else {
                     return Ok(());
                 };
                 self.skip_whitespace();
                 match (container, self.peek()) {
-                    (b'{', Some(b',')) => {
+                    (Container::Object, Some(b',')) => {
                         self.pos += 1;
-                        self.key()?;
+                        self.nested_key()?;
                         break;
                     }
-                    (_, Some(b',')) => {
+                    (Container::Array, Some(b',')) => {
                         self.pos += 1;
                         break;
                     }
-                    (b'{', Some(b'}')) | (b'[', Some(b']')) => {
+                    (Container::Object, Some(b'}')) | (Container::Array, Some(b']')) => {
                         self.pos += 1;
                         open.pop();
                     }
-                    (b'{', _) => return Err(self.error("expected ',' or '}'")),
-                    _ => return Err(self.error("expected ',' or ']'")),
+                    (Container::Object, _) => return Err(self.error("expected ',' or '}'")),
+                    (Container::Array, _) => return Err(self.error("expected ',' or ']'")),
                 }
             }
         }

@@ -60,7 +60,7 @@ fn timing() {
         "native"
     };
     let kv = match read_prefill_answer(Some(200), body::PREFILL_ANSWER) {
-        PrefillAnswer::KvTransferParams(kv) => kv,
+        PrefillAnswer::KvTransferParams(handed) => handed.kv,
         other => panic!("the bench prefill answer has no kv_transfer_params: {other:?}"),
     };
     for &(label, size) in body::SIZES {
@@ -90,12 +90,12 @@ fn timing() {
                 Box::new(|| {
                     let prepared = prepare(Api::ChatCompletions, black_box(&body)).unwrap();
                     black_box(&prepared.prefill_body);
-                    let PrefillAnswer::KvTransferParams(kv) =
+                    let PrefillAnswer::KvTransferParams(handed) =
                         read_prefill_answer(Some(200), black_box(body::PREFILL_ANSWER))
                     else {
                         unreachable!()
                     };
-                    black_box(prepared.decode.edit_with_kv(&body, kv));
+                    black_box(prepared.decode.edit_with_kv(&body, handed.kv));
                 }),
             ),
         ];

@@ -13,7 +13,9 @@ pub mod scheduling;
 pub mod usage;
 
 pub use errors::ClientError;
-pub use prefill_answer::{read_prefill_answer, FailureKind, PrefillAnswer, PrefillFailure};
+pub use prefill_answer::{
+    read_prefill_answer, FailureKind, PrefillAnswer, PrefillFailure, PrefillKv,
+};
 pub use rewrite::{
     check_content_type, is_vllm_json, media_type, prepare, prepare_with, DecodePlan,
     PrefillOptions, PrefillToolChoice, PreparedRequest, KV_TRANSFER_PARAMS,

@@ -108,11 +108,21 @@ impl PrefillFailure {
     }
 }
 
+/// What decode needs of a prefill answer that handed over KV, as raw JSON text of the
+/// answer: read in the one pass that validated it.
+#[derive(Debug, PartialEq, Eq, Clone, Copy)]
+pub struct PrefillKv<'a> {
+    /// `kv_transfer_params`, an object.
+    pub kv: &'a [u8],
+    /// `usage`, when the answer has one.
+    pub usage: Option<&'a [u8]>,
+}
+
 /// What the prefill answer means for the request.
 #[derive(Debug, PartialEq, Eq)]
 pub enum PrefillAnswer<'a> {
     /// Forward these `kv_transfer_params` (raw JSON object text) to decode.
-    KvTransferParams(&'a [u8]),
+    KvTransferParams(PrefillKv<'a>),
     /// A 2xx answer without usable `kv_transfer_params`; the reason is logged.
     NoKvTransferParams(String),
     Failed(PrefillFailure),
@@ -151,7 +161,7 @@ pub fn read_prefill_answer(status: Option<u16>, body: &[u8]) -> PrefillAnswer<'_
     };
     match status {
         200..=299 => match find_kv_transfer_params(body) {
-            Ok(kv) => PrefillAnswer::KvTransferParams(kv),
+            Ok(handed) => PrefillAnswer::KvTransferParams(handed),
             Err(reason) => PrefillAnswer::NoKvTransferParams(reason),
         },
         400..=499 => {
@@ -202,19 +212,25 @@ fn envoy_503_kind(message: &str) -> FailureKind {
     }
 }
 
-fn find_kv_transfer_params(body: &[u8]) -> Result<&[u8], String> {
+fn find_kv_transfer_params(body: &[u8]) -> Result<PrefillKv<'_>, String> {
     let object =
         JsonObject::parse(body).map_err(|e| format!("prefill answer is not a JSON object: {e}"))?;
-    match object.last_value(KV_TRANSFER_PARAMS) {
-        None => Err("prefill answer has no kv_transfer_params".to_owned()),
-        Some(b"null") => Err("prefill answer has kv_transfer_params null".to_owned()),
+    let kv = match object.last_value(KV_TRANSFER_PARAMS) {
+        None => return Err("prefill answer has no kv_transfer_params".to_owned()),
+        Some(b"null") => return Err("prefill answer has kv_transfer_params null".to_owned()),
         // `{}` names no KV for decode to pull: decode would compute the prompt itself.
         Some(value) if is_empty_object(value) => {
-            Err("prefill answer has kv_transfer_params {}".to_owned())
+            return Err("prefill answer has kv_transfer_params {}".to_owned())
         }
-        Some(value) if value.starts_with(b"{") => Ok(value),
-        Some(_) => Err("kv_transfer_params in the prefill answer is not an object".to_owned()),
-    }
+        Some(value) if value.starts_with(b"{") => value,
+        Some(_) => {
+            return Err("kv_transfer_params in the prefill answer is not an object".to_owned())
+        }
+    };
+    Ok(PrefillKv {
+        kv,
+        usage: object.last_value("usage"),
+    })
 }
 
 /// Whether a JSON value (valid, as the scan found it) is an object without members.
@@ -304,12 +320,13 @@ mod tests {
 
     #[test]
     fn prefill_kv_transfer_params_are_taken_verbatim() {
-        let body = br#"{"id":"x","kv_transfer_params":{"remote_block_ids":[1, 2],"remote_port":5600, "x":1e400}}"#;
+        let body = br#"{"id":"x","kv_transfer_params":{"remote_block_ids":[1, 2],"remote_port":5600, "x":1e400},"usage":{"prompt_tokens":3}}"#;
         assert_eq!(
             read_prefill_answer(Some(200), body),
-            PrefillAnswer::KvTransferParams(
-                br#"{"remote_block_ids":[1, 2],"remote_port":5600, "x":1e400}"#
-            )
+            PrefillAnswer::KvTransferParams(PrefillKv {
+                kv: br#"{"remote_block_ids":[1, 2],"remote_port":5600, "x":1e400}"#,
+                usage: Some(br#"{"prompt_tokens":3}"#),
+            })
         );
     }
 

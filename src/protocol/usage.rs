@@ -112,10 +112,16 @@ fn fields(api: Api) -> Option<Fields> {
 }
 
 /// Prefill's prompt counts, from its (non-streamed) answer.
+#[cfg(test)]
 pub fn prompt_usage(api: Api, prefill_answer: &[u8]) -> Option<PromptUsage> {
-    let fields = fields(api)?;
     let answer = JsonObject::parse(prefill_answer).ok()?;
-    let usage = JsonObject::parse(answer.last_value("usage")?).ok()?;
+    prompt_usage_in(api, answer.last_value("usage")?)
+}
+
+/// Prefill's prompt counts, from the `usage` member of its answer.
+fn prompt_usage_in(api: Api, usage: &[u8]) -> Option<PromptUsage> {
+    let fields = fields(api)?;
+    let usage = JsonObject::parse(usage).ok()?;
     let members = fields
         .prompt_side
         .iter()
@@ -146,25 +152,29 @@ fn cache_writes(object: &JsonObject) -> bool {
 /// nothing to its cache that decode would count as unwritten.
 pub fn prompt_usage_for_decode(
     api: Api,
-    prefill_answer: &[u8],
+    prefill_usage: &[u8],
     kv_transfer_params: &[u8],
 ) -> Option<PromptUsage> {
-    prompt_usage(api, prefill_answer)
+    prompt_usage_in(api, prefill_usage)
         .filter(|usage| usage.wrote_cache() || !decode_counts_prefills_hits(kv_transfer_params))
 }
+
+const REMOTE_PREFILL_CACHED_TOKENS: &[u8] = b"remote_prefill_cached_tokens";
 
 /// Whether decode will count the prompt's cache hits as prefill's on its own: vLLM 0.33 and
 /// later put prefill's hits into the `kv_transfer_params` prefill answers
 /// (`remote_prefill_cached_tokens`), and decode reports those instead of the KV it pulled.
 /// Their cache writes, though, decode does not take: it counts the KV it pulled as neither.
 pub fn decode_counts_prefills_hits(kv_transfer_params: &[u8]) -> bool {
-    JsonObject::parse(kv_transfer_params)
-        .ok()
-        .and_then(|kv| {
-            kv.last_value("remote_prefill_cached_tokens")
-                .and_then(as_count)
-        })
-        .is_some()
+    // Most answers do not name it: no need to read them.
+    contains(kv_transfer_params, REMOTE_PREFILL_CACHED_TOKENS)
+        && JsonObject::parse(kv_transfer_params)
+            .ok()
+            .and_then(|kv| {
+                kv.last_value("remote_prefill_cached_tokens")
+                    .and_then(as_count)
+            })
+            .is_some()
 }
 
 /// A usage object with prefill's prompt counts; `None` when it is not one to change. Members
@@ -840,6 +850,8 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
         ];
         for (api, answer, merged) in cases {
             let case = String::from_utf8_lossy(answer);
+            let answer = JsonObject::parse(answer).unwrap();
+            let answer = answer.last_value("usage").unwrap();
             assert_eq!(
                 prompt_usage_for_decode(api, answer, handed).is_some(),
                 merged,

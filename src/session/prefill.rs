@@ -10,7 +10,7 @@ use crate::protocol::scheduling::{check_model_for_header, with_reachable_remote_
 use crate::protocol::usage::prompt_usage_for_decode;
 use crate::protocol::{
     prepare_with, prompt_logprobs, read_prefill_answer, ClientError, DecodePlan, FailureKind,
-    PrefillAnswer, PrefillFailure, PreparedRequest,
+    PrefillAnswer, PrefillFailure, PrefillKv, PreparedRequest,
 };
 
 use super::*;
@@ -279,7 +279,7 @@ impl Session {
                 token: Some(t),
             } if t == token => {
                 self.state = State::Finished;
-                let PrefillAnswer::KvTransferParams(kv) = read(body) else {
+                let PrefillAnswer::KvTransferParams(PrefillKv { kv, .. }) = read(body) else {
                     return Vec::new();
                 };
                 log::debug!(
@@ -295,8 +295,8 @@ impl Session {
             }
         };
         match read(body) {
-            PrefillAnswer::KvTransferParams(kv) => {
-                self.resume_with_kv(prefill, kv, body, &config, now)
+            PrefillAnswer::KvTransferParams(handed) => {
+                self.resume_with_kv(prefill, handed, body, &config, now)
             }
             PrefillAnswer::NoKvTransferParams(reason) => {
                 let mut commands = self.prefill_time(&prefill, now, PrefillResult::NoKv);
@@ -325,12 +325,13 @@ impl Session {
     fn resume_with_kv(
         &mut self,
         prefill: Prefill,
-        kv: &[u8],
+        handed: PrefillKv,
         body: &[u8],
         config: &Config,
         now: SystemTime,
     ) -> Vec<Command> {
         let mut commands = self.prefill_time(&prefill, now, PrefillResult::Kv);
+        let kv = handed.kv;
         let reached = prefill.host().filter(|_| config.replace_local_remote_host);
         let with_host = reached.and_then(|host| with_reachable_remote_host(kv, host.ip()));
         let kv = with_host.as_deref().unwrap_or(kv);
@@ -358,7 +359,7 @@ impl Session {
         commands.push(Command::ResumeRequest);
         let prefill_time = Some(prefill.elapsed(now));
         let prompt_usage = (config.usage == UsagePolicy::Merge)
-            .then(|| prompt_usage_for_decode(prefill.api, body, kv))
+            .then(|| prompt_usage_for_decode(prefill.api, handed.usage?, kv))
             .flatten()
             .map(|usage| (prefill.api, usage));
         let stream_usage = prefill.decode.stream_usage_asked || config.decode_forces_include_usage;
