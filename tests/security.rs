@@ -1237,6 +1237,48 @@ async fn requests_that_hold_memory_in_the_vm_are_refused_past_its_budget() {
     assert_eq!(again.status, 200, "{}", preview(&again.body));
 }
 
+/// Completions put prefill's prompt logprobs into each of decode's choices. However the
+/// client spells `n`, as pydantic reads it, the copies are counted before decode runs: a
+/// spelling the filter once read as one (`"+40"`) let the answer grow to n copies in the VM,
+/// and an `n` in the thousands made an allocation the VM could not make, killing it.
+#[tokio::test]
+async fn every_spelling_of_n_counts_the_prompt_logprobs_copies() {
+    let words: Vec<String> = (0..4_000).map(|i| format!("w{i}")).collect();
+    for n in [
+        r#""+40""#,
+        r#""040""#,
+        r#""4_0""#,
+        r#"" 40 ""#,
+        r#""40.0""#,
+        "40.0",
+    ] {
+        let id = unique_id("n-spelling");
+        let body = format!(
+            r#"{{"model":"m","prompt":"{}","max_tokens":3,"prompt_logprobs":1,"n":{n}}}"#,
+            words.join(" ")
+        );
+        let reply = Request::post("small_vm_budget", "/v1/completions")
+            .id(&id)
+            .body(body)
+            .send()
+            .await;
+        assert_filter_error(&reply, 400, &id);
+        assert!(
+            reply.body.contains("prompt logprobs"),
+            "{n}: {}",
+            reply.body
+        );
+        assert!(
+            decoded(&id)
+                .iter()
+                .all(|r| r.header("x-pd-kv-release") == Some("1")),
+            "{n}: decode served it"
+        );
+    }
+    assert_healthy();
+    assert_still_serves("small_vm_budget").await;
+}
+
 // ----------------------------------------------------------------------------------------
 // 13. A refused request whose body is still arriving
 

@@ -174,14 +174,26 @@ fn stream_flags(obj: &Map<String, Value>) -> Result<(bool, bool), String> {
     Ok((stream, include_usage))
 }
 
-/// An optional integer member of `obj`.
+/// An optional integer member of `obj`, read as pydantic reads an int in its lax mode: a
+/// whole number (`3`, `3.0`), a bool, or a string holding one (`" +03 "`, `"1_6"`, `"3.0"`).
 fn int_field(obj: &Map<String, Value>, key: &str) -> Result<Option<i64>, String> {
+    let whole = |f: f64| (f.is_finite() && f.fract() == 0.0).then_some(f as i64);
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_i64()
-            .map(Some)
-            .ok_or_else(|| format!("{key} must be an integer")),
+        Some(v) => match v {
+            Value::Bool(b) => Some(i64::from(*b)),
+            Value::Number(n) => n.as_i64().or_else(|| n.as_f64().and_then(whole)),
+            Value::String(s) => {
+                let digits = s.trim().replace('_', "");
+                digits
+                    .parse::<i64>()
+                    .ok()
+                    .or_else(|| digits.parse::<f64>().ok().and_then(whole))
+            }
+            _ => None,
+        }
+        .map(Some)
+        .ok_or_else(|| format!("{key} must be an integer")),
     }
 }
 
@@ -1087,7 +1099,7 @@ mod tests {
             "max_tokens must be positive"
         );
         assert_eq!(
-            parse_err(m, with("max_tokens", json!("4"))),
+            parse_err(m, with("max_tokens", json!("four"))),
             "max_tokens must be an integer"
         );
         assert_eq!(

@@ -26,16 +26,30 @@ pub fn from_prefill_answer(api: Api, answer: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// Decode's answer with prefill's `prompt_logprobs` where vLLM puts them: in every choice
-/// on completions (they share the prompt), top-level on chat.
-pub fn into_answer(api: Api, answer: &[u8], logprobs: &[u8]) -> Option<Vec<u8>> {
+/// on completions (they share the prompt), top-level on chat. `None` when the answer is not
+/// one to write them into, or would be longer than `limit` bytes with them: that is known
+/// from the number of choices decode wrote, before anything is built.
+pub fn into_answer(api: Api, answer: &[u8], logprobs: &[u8], limit: usize) -> Option<Vec<u8>> {
     let object = JsonObject::parse(answer).ok()?;
+    let fits = |copies: usize| {
+        logprobs
+            .len()
+            .saturating_add(MEMBER_OVERHEAD)
+            .saturating_mul(copies)
+            .saturating_add(answer.len())
+            <= limit
+    };
     match api {
-        Api::ChatCompletions => Some(with_member(&object, logprobs)),
+        Api::ChatCompletions => fits(1).then(|| with_member(&object, logprobs)),
         Api::Completions => {
             let choices = object.last_value("choices")?;
-            let mut written = Vec::with_capacity(choices.len() + logprobs.len());
+            let ranges = array_element_ranges(choices)?;
+            if !fits(ranges.len()) {
+                return None;
+            }
+            let mut written = Vec::with_capacity(choices.len() + logprobs.len() * ranges.len());
             let mut cursor = 0;
-            for choice in array_element_ranges(choices)? {
+            for choice in ranges {
                 written.extend_from_slice(choices.get(cursor..choice.start)?);
                 let object = JsonObject::parse(choices.get(choice.clone())?).ok()?;
                 written.extend_from_slice(&with_member(&object, logprobs));
@@ -48,6 +62,9 @@ pub fn into_answer(api: Api, answer: &[u8], logprobs: &[u8]) -> Option<Vec<u8>> 
         Api::Responses | Api::Messages | Api::Generate | Api::CohereChat => None,
     }
 }
+
+/// The most a `"prompt_logprobs":` member adds to an object beside its value.
+const MEMBER_OVERHEAD: usize = PROMPT_LOGPROBS.len() + 4;
 
 /// `object` with `prompt_logprobs` set to `logprobs`: in place of its own, or added.
 fn with_member(object: &JsonObject, logprobs: &[u8]) -> Vec<u8> {
@@ -81,7 +98,7 @@ mod tests {
         let found = from_prefill_answer(Api::Completions, completion.as_bytes()).unwrap();
         assert_eq!(found, LOGPROBS.as_bytes());
         let decode = r#"{"id":"d","choices":[ {"text":"x","prompt_logprobs":null} ,{"text":"y"}],"usage":{}}"#;
-        let merged = into_answer(Api::Completions, decode.as_bytes(), &found).unwrap();
+        let merged = into_answer(Api::Completions, decode.as_bytes(), &found, usize::MAX).unwrap();
         assert_eq!(
             String::from_utf8(merged).unwrap(),
             format!(
@@ -93,13 +110,20 @@ mod tests {
         let found = from_prefill_answer(Api::ChatCompletions, chat.as_bytes()).unwrap();
         assert_eq!(found, LOGPROBS.as_bytes());
         let decode = r#"{"z":1,"a":2,"choices":[],"prompt_logprobs":null,"usage":{}}"#;
-        let merged = into_answer(Api::ChatCompletions, decode.as_bytes(), &found).unwrap();
+        let merged =
+            into_answer(Api::ChatCompletions, decode.as_bytes(), &found, usize::MAX).unwrap();
         assert_eq!(
             String::from_utf8(merged).unwrap(),
             format!(r#"{{"z":1,"a":2,"choices":[],"prompt_logprobs":{LOGPROBS},"usage":{{}}}}"#),
             "decode's members keep their order, prefill's numbers their digits"
         );
-        let merged = into_answer(Api::ChatCompletions, b"{\"choices\":[]}", &found).unwrap();
+        let merged = into_answer(
+            Api::ChatCompletions,
+            b"{\"choices\":[]}",
+            &found,
+            usize::MAX,
+        )
+        .unwrap();
         let merged: Value = serde_json::from_slice(&merged).unwrap();
         assert_eq!(merged["prompt_logprobs"][1]["5"]["rank"], json!(1));
 
@@ -116,7 +140,31 @@ mod tests {
         );
         assert_eq!(from_prefill_answer(Api::Responses, chat.as_bytes()), None);
         assert_eq!(
-            into_answer(Api::Completions, b"{\"choices\":7}", &found),
+            into_answer(Api::Completions, b"{\"choices\":7}", &found, usize::MAX),
+            None
+        );
+    }
+
+    #[test]
+    fn an_answer_too_large_with_them_is_known_before_it_is_built() {
+        let logprobs = LOGPROBS.as_bytes();
+        // Each of decode's choices gets a copy: the answer's size follows from their number,
+        // whatever the request said `n` was.
+        let choices = vec![r#"{"text":"x"}"#; 1000].join(",");
+        let answer = format!(r#"{{"id":"d","choices":[{choices}]}}"#);
+        let needed = into_answer(Api::Completions, answer.as_bytes(), logprobs, usize::MAX)
+            .unwrap()
+            .len();
+        let limit = answer.len() + 1000 * (logprobs.len() + MEMBER_OVERHEAD);
+        assert!(needed <= limit, "{needed} > {limit}");
+        assert!(into_answer(Api::Completions, answer.as_bytes(), logprobs, limit).is_some());
+        assert_eq!(
+            into_answer(Api::Completions, answer.as_bytes(), logprobs, needed - 1),
+            None
+        );
+        let chat = br#"{"id":"c","choices":[]}"#;
+        assert_eq!(
+            into_answer(Api::ChatCompletions, chat, logprobs, chat.len()),
             None
         );
     }

@@ -319,7 +319,7 @@ pub fn prepare_with(
         prompt_logprobs_from_prefill: asks_prompt_logprobs && !streamed,
         prompt_logprobs_copies: match api {
             Api::Completions if asks_prompt_logprobs => {
-                object.last_value("n").and_then(lax_count).unwrap_or(1)
+                object.last_value("n").map_or(1, lax_count)
             }
             _ => 1,
         },
@@ -606,18 +606,27 @@ fn batches_prompts(object: &JsonObject) -> bool {
 }
 
 /// A count as pydantic reads an int in its lax mode, rounded up and at least 1: a number
-/// (`3`, `3.0`, `3e0`) or a string holding one (`"3"`). Read where a larger count only makes
-/// a size check stricter, so no spelling of it can make the check lenient.
-fn lax_count(value: &[u8]) -> Option<usize> {
-    let number = match value.first()? {
-        b'"' => serde_json::from_str(serde_json::from_slice::<String>(value).ok()?.trim()).ok()?,
-        _ => serde_json::from_slice::<f64>(value).ok()?,
+/// (`3`, `3.0`, `3e0`), a bool, or a string holding a number the way Python's `int` and
+/// `float` read one (`"3"`, `" +03 "`, `"1_6"`, `"3.0"`). Read where a larger count only makes
+/// a size check stricter: a value it cannot read counts as the largest, so that no spelling
+/// pydantic reads can make the check lenient.
+fn lax_count(value: &[u8]) -> usize {
+    const UNREADABLE: usize = usize::MAX;
+    let number = match value {
+        b"null" | b"true" | b"false" => return 1,
+        [b'"', ..] => serde_json::from_slice::<String>(value).ok().and_then(|text| {
+            let digits: String = text.trim().chars().filter(|&c| c != '_').collect();
+            digits.parse::<f64>().ok()
+        }),
+        _ => serde_json::from_slice::<f64>(value).ok(),
     };
-    // `as` saturates: an absurd count stays a huge one.
-    number.is_finite().then(|| (number.ceil() as usize).max(1))
+    match number {
+        // `as` saturates: an absurd count stays a huge one.
+        Some(number) if number.is_finite() => (number.ceil() as usize).max(1),
+        _ => UNREADABLE,
+    }
 }
 
-/// Whether a tokens-in request asks for prompt logprobs (in its `sampling_params`).
 /// The field of a tokens-in request's `sampling_params` that makes vLLM skip reading its
 /// prefix cache (`SamplingParams.skip_reading_prefix_cache`), and with it prefill's KV.
 fn sampling_params_skipping_prefills_kv(object: &JsonObject) -> Option<&'static str> {

@@ -256,6 +256,8 @@ impl Session {
             return Step::new(Flow::Continue, vec![]);
         };
         let headers_held = answer.holds_headers(&self.config);
+        let limit = self.config.max_request_body_bytes;
+        let request_id = &self.request_id;
         let rewritten = match answer {
             AnswerRewrite::Untouched => None,
             AnswerRewrite::Whole { .. } => {
@@ -266,12 +268,19 @@ impl Session {
                     .and_then(|(api, prompt)| merge_answer(*api, body, prompt));
                 let current = merged.as_deref().unwrap_or(body);
                 // Used once: the VM's memory they held is given back with them.
-                prompt_logprobs
-                    .take()
-                    .and_then(|held| {
-                        prompt_logprobs::into_answer(held.api, current, &held.logprobs)
-                    })
-                    .or(merged)
+                let with_logprobs = prompt_logprobs.take().map(|held| {
+                    let written =
+                        prompt_logprobs::into_answer(held.api, current, &held.logprobs, limit);
+                    if written.is_none() {
+                        log::warn!(
+                            "[{request_id}] prefill's prompt logprobs were not written into \
+                             decode's answer: it has no choices to hold them, or would be \
+                             larger than {limit} bytes with them (max_request_body_bytes)"
+                        );
+                    }
+                    written
+                });
+                with_logprobs.flatten().or(merged)
             }
             AnswerRewrite::Events(events) => prompt_usage
                 .as_ref()
@@ -295,7 +304,6 @@ impl Session {
         // Envoy's buffer holds at least `max_request_body_bytes` (documented); a larger
         // answer would make Envoy answer on its own from inside this callback. Such an answer
         // goes on as decode wrote it.
-        let limit = self.config.max_request_body_bytes;
         // Often nothing changed (vLLM by default reports no cached_tokens on either leg, and
         // both count the same prompt): the answer is not written back.
         let rewritten = rewritten.filter(|rewritten| rewritten.as_slice() != body);

@@ -1988,7 +1988,22 @@ fn prompt_logprobs_larger_than_an_answer_the_filter_holds_are_refused_before_dec
     assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
     // Completions put them into every choice: n copies must fit.
     // However the client spells n, as vLLM reads it.
-    for n in ["1000", "1000.0", "1e3", r#""1000""#, r#"" 1000 ""#] {
+    // Pydantic reads a string as Python's int or float does; what cannot be read counts as
+    // the most.
+    for n in [
+        "1000",
+        "1000.0",
+        "1e3",
+        r#""1000""#,
+        r#"" 1000 ""#,
+        r#""+1000""#,
+        r#""01000""#,
+        r#""1_000""#,
+        r#""1000.0""#,
+        r#""a thousand""#,
+        r#""NaN""#,
+        "[1000]",
+    ] {
         let many = format!(r#"{{"prompt":"x","max_tokens":5,"prompt_logprobs":1,"n":{n}}}"#);
         let mut s = prefilling_body(roomy, &many);
         let commands = s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
