@@ -135,10 +135,24 @@ async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
             r#"{"prompt":"a b","echo":true,"logprobs":1}"#,
             "echo with logprobs cannot be served",
         ),
+        // vLLM serves the embeddings and then the prompt, even an empty one, as two.
+        (
+            "embeds-and-prompt",
+            COMPLETIONS,
+            r#"{"prompt":"","prompt_embeds":"UEsDBAAACAgAAAAAAAAAAAAA","max_tokens":3}"#,
+            "a list of several prompts cannot be served",
+        ),
         (
             "chat-echo",
             CHAT,
             r#"{"messages":[{"role":"user","content":"hi"}],"echo":true}"#,
+            "echo cannot be served",
+        ),
+        // vLLM 0.33 reads a null top_logprobs as 0, and asks for prompt logprobs at it.
+        (
+            "chat-echo-null-top-logprobs",
+            CHAT,
+            r#"{"messages":[{"role":"user","content":"hi"}],"echo":true,"top_logprobs":null}"#,
             "echo cannot be served",
         ),
         (

@@ -230,10 +230,11 @@ pub fn prepare_with(
             "Stream options can only be defined when `stream=True`.",
         ));
     }
-    let echo_top_logprobs = object.last_value("top_logprobs") != Some(b"null");
-    if api == Api::ChatCompletions && object.is_true("echo") && echo_top_logprobs {
-        // vLLM takes chat's echo as a request for prompt logprobs (top_logprobs, 0 unless
-        // given), which decode on prefill's KV cannot compute.
+    if api == Api::ChatCompletions && object.is_true("echo") {
+        // vLLM takes chat's echo as a request for prompt logprobs (at top_logprobs, 0 unless
+        // given: vLLM 0.33 reads null as 0 too) unless prompt_logprobs are given, and decode
+        // gets none of those: it would skip its prefix cache, prefill's KV with it, and
+        // compute the whole prompt again.
         return Err(ClientError::bad_request(
             "echo cannot be served through prefill/decode disaggregation on chat completions: \
              vLLM computes prompt logprobs for it, which only prefill can; send the request \
@@ -318,9 +319,7 @@ pub fn prepare_with(
         json_start,
         prompt_logprobs_from_prefill: asks_prompt_logprobs && !streamed,
         prompt_logprobs_copies: match api {
-            Api::Completions if asks_prompt_logprobs => {
-                object.last_value("n").map_or(1, lax_count)
-            }
+            Api::Completions if asks_prompt_logprobs => object.last_value("n").map_or(1, lax_count),
             _ => 1,
         },
         stream_usage_asked: !matches!(api, Api::Completions | Api::ChatCompletions)
@@ -587,22 +586,30 @@ fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
     object.is_true("echo") && object.is_set("logprobs")
 }
 
-/// Whether a completions request sends several prompts in one: a list of strings or of
-/// token lists (a list of numbers is one prompt's tokens), or a list of several
-/// `prompt_embeds`.
+/// Whether a completions request sends several prompts in one. vLLM serves the
+/// `prompt_embeds` and then the `prompt` as prompts of their own, both given: a list of
+/// strings or of token lists is one prompt per item, a string (even empty) or a non-empty
+/// list of numbers is one prompt; likewise a string of embeddings, or a list of them.
 fn batches_prompts(object: &JsonObject) -> bool {
-    let several = |list: &[u8]| array_elements(list).is_some_and(|items| items.len() > 1);
-    if object.last_value("prompt_embeds").is_some_and(several) {
-        return true;
-    }
-    let Some(prompt) = object.last_value("prompt") else {
-        return false;
+    let count = |key: &str| {
+        let value = object.last_value(key).filter(|value| *value != b"null");
+        match value {
+            None => 0,
+            Some(list) if list.starts_with(b"[") => {
+                let items = array_elements(list).unwrap_or_default();
+                let numbers = items
+                    .iter()
+                    .all(|item| matches!(item.first(), Some(b'-' | b'0'..=b'9')));
+                if numbers && !items.is_empty() {
+                    1
+                } else {
+                    items.len()
+                }
+            }
+            Some(_) => 1,
+        }
     };
-    let Some(inner) = prompt.strip_prefix(b"[") else {
-        return false;
-    };
-    let first = inner.iter().find(|byte| !byte.is_ascii_whitespace());
-    matches!(first, Some(b'"' | b'[')) && several(prompt)
+    count("prompt_embeds") + count("prompt") > 1
 }
 
 /// A count as pydantic reads an int in its lax mode, rounded up and at least 1: a number
@@ -614,10 +621,12 @@ fn lax_count(value: &[u8]) -> usize {
     const UNREADABLE: usize = usize::MAX;
     let number = match value {
         b"null" | b"true" | b"false" => return 1,
-        [b'"', ..] => serde_json::from_slice::<String>(value).ok().and_then(|text| {
-            let digits: String = text.trim().chars().filter(|&c| c != '_').collect();
-            digits.parse::<f64>().ok()
-        }),
+        [b'"', ..] => serde_json::from_slice::<String>(value)
+            .ok()
+            .and_then(|text| {
+                let digits: String = text.trim().chars().filter(|&c| c != '_').collect();
+                digits.parse::<f64>().ok()
+            }),
         _ => serde_json::from_slice::<f64>(value).ok(),
     };
     match number {
@@ -1421,11 +1430,11 @@ mod tests {
                 r#"{"messages":[],"echo":true,"echo":false}"#,
                 false,
             ),
-            // vLLM asks for prompt logprobs at top_logprobs, which null turns off.
+            // vLLM 0.33 reads a null top_logprobs as 0, and asks for prompt logprobs at it.
             (
                 Api::ChatCompletions,
                 r#"{"messages":[],"echo":true,"top_logprobs":null}"#,
-                false,
+                true,
             ),
             (
                 Api::Responses,
@@ -1455,6 +1464,27 @@ mod tests {
             ),
             (Api::Completions, r#"{"prompt_embeds":["AAAA"]}"#, false),
             (Api::Completions, r#"{"prompt_embeds":"AAAA"}"#, false),
+            // vLLM serves the embeddings and the prompt beside them, even an empty one.
+            (
+                Api::Completions,
+                r#"{"prompt":"","prompt_embeds":"AAAA"}"#,
+                true,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":[1,2],"prompt_embeds":["AAAA"]}"#,
+                true,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":null,"prompt_embeds":"AAAA"}"#,
+                false,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":[],"prompt_embeds":"AAAA"}"#,
+                false,
+            ),
             (
                 Api::Completions,
                 r#"{"prompt":["a","b"],"prompt":"c"}"#,
