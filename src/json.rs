@@ -451,20 +451,28 @@ mod simd {
     };
 
     pub fn special_mask(block: &[u8]) -> u64 {
-        let quote = i8x16_splat(b'"' as i8);
-        let backslash = i8x16_splat(b'\\' as i8);
-        let space = i8x16_splat(0x20);
         let mut mask = 0u64;
         for (i, chunk) in block.chunks_exact(16).take(4).enumerate() {
-            // SAFETY: `chunk` is 16 readable bytes; v128_load has no alignment requirement.
-            let v = unsafe { v128_load(chunk.as_ptr().cast::<v128>()) };
-            let special = v128_or(
-                v128_or(i8x16_eq(v, quote), i8x16_eq(v, backslash)),
-                i8x16_lt(v, space),
-            );
-            mask |= u64::from(i8x16_bitmask(special)) << (16 * i);
+            mask |= u64::from(special_mask_16(chunk)) << (16 * i);
         }
         mask
+    }
+
+    /// The mask of the first 16 bytes of `chunk`, which has at least 16.
+    pub fn special_mask_16(chunk: &[u8]) -> u16 {
+        let Some(chunk) = chunk.get(..16) else {
+            return 0;
+        };
+        // SAFETY: `chunk` is 16 readable bytes; v128_load has no alignment requirement.
+        let v = unsafe { v128_load(chunk.as_ptr().cast::<v128>()) };
+        let special = v128_or(
+            v128_or(
+                i8x16_eq(v, i8x16_splat(b'"' as i8)),
+                i8x16_eq(v, i8x16_splat(b'\\' as i8)),
+            ),
+            i8x16_lt(v, i8x16_splat(0x20)),
+        );
+        i8x16_bitmask(special)
     }
 }
 
@@ -478,22 +486,30 @@ mod simd {
     pub fn special_mask(block: &[u8]) -> u64 {
         let mut mask = 0u64;
         for (i, chunk) in block.chunks_exact(16).take(4).enumerate() {
-            // SAFETY: SSE2 is part of x86-64; `chunk` is 16 readable bytes and the load is
-            // unaligned.
-            let bits = unsafe {
-                let v = _mm_loadu_si128(chunk.as_ptr().cast::<__m128i>());
-                let special = _mm_or_si128(
-                    _mm_or_si128(
-                        _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8)),
-                        _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8)),
-                    ),
-                    _mm_cmplt_epi8(v, _mm_set1_epi8(0x20)),
-                );
-                _mm_movemask_epi8(special)
-            };
-            mask |= u64::from(bits as u16) << (16 * i);
+            mask |= u64::from(special_mask_16(chunk)) << (16 * i);
         }
         mask
+    }
+
+    /// The mask of the first 16 bytes of `chunk`, which has at least 16.
+    pub fn special_mask_16(chunk: &[u8]) -> u16 {
+        let Some(chunk) = chunk.get(..16) else {
+            return 0;
+        };
+        // SAFETY: SSE2 is part of x86-64; `chunk` is 16 readable bytes and the load is
+        // unaligned.
+        let bits = unsafe {
+            let v = _mm_loadu_si128(chunk.as_ptr().cast::<__m128i>());
+            let special = _mm_or_si128(
+                _mm_or_si128(
+                    _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8)),
+                    _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8)),
+                ),
+                _mm_cmplt_epi8(v, _mm_set1_epi8(0x20)),
+            );
+            _mm_movemask_epi8(special)
+        };
+        bits as u16
     }
 }
 
@@ -504,6 +520,10 @@ mod simd {
 mod simd {
     pub fn special_mask(block: &[u8]) -> u64 {
         super::special_mask_bytewise(block, 0)
+    }
+
+    pub fn special_mask_16(chunk: &[u8]) -> u16 {
+        super::special_mask_bytewise(chunk.get(..16).unwrap_or_default(), 0) as u16
     }
 }
 
@@ -699,6 +719,16 @@ impl<'a> Scanner<'a> {
     /// are looked at.
     fn string(&mut self) -> Result<bool, JsonError> {
         self.pos += 1;
+        // Most strings (keys, short values) end within 16 bytes: when the first byte that
+        // needs a look there is the closing quote, one compare has read the whole string.
+        if let Some(chunk) = self.bytes.get(self.pos..self.pos + 16) {
+            let mask = simd::special_mask_16(chunk);
+            let first = self.pos + mask.trailing_zeros() as usize;
+            if mask != 0 && self.bytes.get(first) == Some(&b'"') {
+                self.pos = first + 1;
+                return Ok(false);
+            }
+        }
         let mut escaped = false;
         loop {
             let block = self.pos;
