@@ -175,7 +175,8 @@ fn api() -> impl Strategy<Value = Api> {
 
 /// The object as a JSON parser that keeps the last duplicate (like Python's) sees it.
 /// The prepared request; `None` when the filter refused it as vLLM would: a completions
-/// `prompt` that lists several prompts (strings or token lists), `stream_options` without
+/// request with several prompts (vLLM serves `prompt_embeds`, then `prompt`: a list is one
+/// prompt per item unless it is a list of numbers, one prompt's tokens), `stream_options` without
 /// `stream` (Python's truth of each), or `prompt_logprobs` other than 0 with `stream`, which
 /// is then checked to be so. Every other object is accepted.
 fn prepared_unless_several_prompts(api: Api, text: &str) -> Option<PreparedRequest> {
@@ -184,10 +185,13 @@ fn prepared_unless_several_prompts(api: Api, text: &str) -> Option<PreparedReque
         Err(error) => {
             let object = parse_last_wins(text.as_bytes());
             let field = |key: &str| object.get(key).cloned().unwrap_or(Value::Null);
-            let prompt = &field("prompt");
-            let several = prompt.as_array().is_some_and(|prompts| {
-                prompts.len() > 1 && (prompts[0].is_string() || prompts[0].is_array())
-            });
+            let prompts = |value: Value| match value {
+                Value::Null => 0,
+                Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => 1,
+                Value::Array(items) => items.len(),
+                _ => 1,
+            };
+            let several = prompts(field("prompt_embeds")) + prompts(field("prompt")) > 1;
             let truthy = |value: &Value| match value {
                 Value::Null | Value::Bool(false) => false,
                 Value::Number(number) => number.as_f64() != Some(0.0),
