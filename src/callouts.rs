@@ -8,6 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, SystemTime};
 
+use crate::held_bytes::{HeldBytes, Reservation};
 use crate::protocol::kv_release::ReleaseBudget;
 use crate::session::HttpCall;
 
@@ -27,12 +28,12 @@ pub enum Caller<R> {
     },
 }
 
-/// A release to send again if decode could not be reached: small calls only (the minimal
-/// release body), so that waiting ones hold little memory.
+/// A release to send again if decode could not be reached.
 pub struct Retry {
     call: HttpCall,
     /// Attempts made so far.
     attempts: u32,
+    _kept: Kept,
 }
 
 impl Retry {
@@ -50,23 +51,28 @@ const RETRY_AFTER: [Duration; 4] = [
     Duration::from_secs(10),
     Duration::from_secs(15),
 ];
-/// A release larger than this, headers and body, is not kept to wait (for a slot, or to be
-/// sent again): what waits stays within 2 x 16 x `max_kv_releases_in_flight` of them per
-/// worker (16 MiB at the default), however large the client headers it carries.
-const MAX_KEPT_RELEASE_BYTES: usize = 8192;
+/// A release up to this size, headers and body, is kept to wait (for a slot, or to be sent
+/// again) within the bound on their number: 2 x 16 x `max_kv_releases_in_flight` of them per
+/// worker (16 MiB at the default). A larger one (the `kv_transfer_params` of a long prompt
+/// list thousands of blocks; a client's large `baggage`) is kept only while it fits in the
+/// VM's held-bytes budget, and counts against it.
+const SMALL_RELEASE_BYTES: usize = 8192;
 /// Releases that may wait, per release that may be in flight, for a slot and (as many
 /// again) to be sent again: a burst of clients leaving at once, or the requests of a decode
 /// outage of seconds (a few hundred bytes each), waits rather than strands its KV.
 const WAITING_PER_SLOT: usize = 16;
 
-fn small_enough_to_keep(call: &HttpCall) -> bool {
+fn release_bytes(call: &HttpCall) -> usize {
     let headers: usize = call
         .headers
         .iter()
         .map(|(name, value)| name.len() + value.len())
         .sum();
-    headers.saturating_add(call.body.len()) <= MAX_KEPT_RELEASE_BYTES
+    headers.saturating_add(call.body.len())
 }
+
+/// What a kept release holds of the VM's budget: nothing for a small one.
+type Kept = Option<Reservation>;
 
 pub struct Callouts<R> {
     jobs: VecDeque<Job<R>>,
@@ -76,8 +82,10 @@ pub struct Callouts<R> {
     /// release that may be in flight.
     retries: VecDeque<(SystemTime, Retry)>,
     /// Releases waiting for a slot, each with its attempt number.
-    waiting: VecDeque<(HttpCall, u32)>,
+    waiting: VecDeque<(HttpCall, u32, Kept)>,
     wake_pending: bool,
+    /// The VM's budget, which large kept releases count against.
+    held: HeldBytes,
 }
 
 impl<R> Default for Callouts<R> {
@@ -89,13 +97,26 @@ impl<R> Default for Callouts<R> {
             retries: VecDeque::new(),
             waiting: VecDeque::new(),
             wake_pending: false,
+            held: HeldBytes::new(0),
         }
     }
 }
 
 impl<R> Callouts<R> {
-    pub fn set_release_bound(&mut self, max_in_flight: u32) {
+    /// How many releases may be in flight, and the VM's budget large kept releases count
+    /// against.
+    pub fn set_release_bound(&mut self, max_in_flight: u32, held: HeldBytes) {
         self.releases = ReleaseBudget::new(max_in_flight);
+        self.held = held;
+    }
+
+    /// Room to keep `call` for later; `None` when it is too large for what the VM holds.
+    fn keep(&self, call: &HttpCall) -> Option<Kept> {
+        let bytes = release_bytes(call);
+        if bytes <= SMALL_RELEASE_BYTES {
+            return Some(None);
+        }
+        self.held.reserve(bytes).map(Some)
     }
 
     /// Queues a call for the worker's turn; `true` when the worker must be woken for it.
@@ -137,10 +158,13 @@ impl<R> Callouts<R> {
     /// Keeps attempt number `attempts` of a release that found no slot until one frees;
     /// `false` when too many already wait (it is dropped).
     pub fn wait_for_slot(&mut self, call: HttpCall, attempts: u32) -> bool {
-        if self.waiting.len() >= self.waiting_bound() || !small_enough_to_keep(&call) {
+        if self.waiting.len() >= self.waiting_bound() {
             return false;
         }
-        self.waiting.push_back((call, attempts));
+        let Some(kept) = self.keep(&call) else {
+            return false;
+        };
+        self.waiting.push_back((call, attempts, kept));
         true
     }
 
@@ -150,7 +174,9 @@ impl<R> Callouts<R> {
         if self.waiting.is_empty() || !self.releases.try_start() {
             return None;
         }
-        self.waiting.pop_front()
+        self.waiting
+            .pop_front()
+            .map(|(call, attempts, _)| (call, attempts))
     }
 
     /// The release whose slot was taken went out with `token`, or (`None`) could not; it
@@ -162,9 +188,13 @@ impl<R> Callouts<R> {
         call: &HttpCall,
         attempts: u32,
     ) -> Option<Retry> {
-        let retry = (attempts < RELEASE_ATTEMPTS && small_enough_to_keep(call)).then(|| Retry {
+        let kept = (attempts < RELEASE_ATTEMPTS)
+            .then(|| self.keep(call))
+            .flatten();
+        let retry = kept.map(|kept| Retry {
             call: call.clone(),
             attempts,
+            _kept: kept,
         });
         match token {
             Some(token) => {
@@ -270,7 +300,7 @@ mod tests {
     #[test]
     fn releases_in_flight_are_bounded() {
         let mut callouts: Callouts<&str> = Callouts::default();
-        callouts.set_release_bound(1);
+        callouts.set_release_bound(1, HeldBytes::new(0));
         assert!(callouts.start_release());
         callouts.release_sent(Some(3), &call(), 1);
         assert!(!callouts.start_release(), "the bound is reached");
@@ -293,22 +323,37 @@ mod tests {
     }
 
     #[test]
-    fn a_release_with_large_client_headers_does_not_wait() {
-        let mut callouts: Callouts<&str> = Callouts::default();
-        callouts.set_release_bound(1);
+    fn a_large_release_waits_only_within_the_vms_budget() {
+        // The kv_transfer_params of a long prompt list thousands of blocks; a client's
+        // headers may be large too.
         let heavy = HttpCall {
-            headers: vec![("baggage".into(), "x".repeat(MAX_KEPT_RELEASE_BYTES))],
+            headers: vec![("baggage".into(), "x".repeat(SMALL_RELEASE_BYTES))],
+            body: vec![b'1'; 30_000],
             ..call()
         };
-        assert!(!callouts.wait_for_slot(heavy.clone(), 1));
+        let size = release_bytes(&heavy);
+        let held = HeldBytes::new(2 * size);
+        let mut callouts: Callouts<&str> = Callouts::default();
+        callouts.set_release_bound(1, held.clone());
+        assert!(callouts.wait_for_slot(heavy.clone(), 1));
+        let retry = callouts.release_sent(None, &heavy, 1).unwrap();
+        assert_eq!(held.held(), 2 * size);
+        assert!(
+            !callouts.wait_for_slot(heavy.clone(), 1),
+            "the budget is full"
+        );
         assert!(callouts.release_sent(None, &heavy, 1).is_none());
-        assert!(callouts.wait_for_slot(call(), 1));
+        assert!(callouts.wait_for_slot(call(), 1), "a small one still waits");
+        drop(retry);
+        let (sent, _) = callouts.next_waiting_release().unwrap();
+        assert_eq!(sent.body.len(), 30_000, "in the order they came");
+        assert_eq!(held.held(), 0, "what was sent holds nothing");
     }
 
     #[test]
     fn releases_past_the_bound_wait_for_a_slot_in_order() {
         let mut callouts: Callouts<&str> = Callouts::default();
-        callouts.set_release_bound(1);
+        callouts.set_release_bound(1, HeldBytes::new(0));
         assert!(callouts.start_release());
         callouts.release_sent(Some(1), &call(), 1);
         assert!(!callouts.start_release());
@@ -341,7 +386,7 @@ mod tests {
         let start = SystemTime::UNIX_EPOCH + Duration::from_secs(1000);
         let at = |secs: u64| start + Duration::from_secs(secs);
         let mut callouts: Callouts<&str> = Callouts::default();
-        callouts.set_release_bound(2);
+        callouts.set_release_bound(2, HeldBytes::new(0));
         let mut attempts = 1;
         let mut now = start;
         loop {
@@ -366,9 +411,9 @@ mod tests {
             "every attempt made, then no more"
         );
 
-        // A large body is not kept; too many waiting are dropped.
+        // A large body is not kept past the VM's budget; too many waiting are dropped.
         let large = HttpCall {
-            body: vec![b'x'; MAX_KEPT_RELEASE_BYTES + 1],
+            body: vec![b'x'; SMALL_RELEASE_BYTES + 1],
             ..call()
         };
         callouts.release_sent(Some(1), &large, 1);

@@ -721,11 +721,11 @@ impl RootContext for PdRoot {
                 } else {
                     log::debug!("{summary}");
                 }
+                self.held = HeldBytes::new(config.max_vm_held_bytes);
                 self.worker
                     .callouts
                     .borrow_mut()
-                    .set_release_bound(config.max_kv_releases_in_flight);
-                self.held = HeldBytes::new(config.max_vm_held_bytes);
+                    .set_release_bound(config.max_kv_releases_in_flight, self.held.clone());
                 self.abandoned = AbandonedPrefills::new(config.max_abandoned_prefills_per_client);
                 self.config = Some(Rc::new(config));
                 true

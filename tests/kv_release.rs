@@ -269,14 +269,21 @@ async fn a_release_decode_could_not_take_is_sent_again_once_decode_is_back() {
     let _serial = SERIAL.lock().await;
     let h = harness();
     let id = unique_id("release-retry");
-    let reply = post("release_retry", &id, "decode comes back later")
-        .send()
-        .await;
-    assert_eq!(reply.status, 503, "{}", reply.body);
-    // The client may get Envoy's 503 (decode refused the connection) before prefill has the
-    // request: the router connects to decode as soon as the headers pass.
-    wait_for_prefill(&id, Duration::from_secs(5)).await;
-    assert_eq!(h.prefill_requests(&id).len(), 1);
+    // A long prompt's kv_transfer_params list thousands of blocks: its release is larger
+    // than the small ones every worker keeps, and waits within the VM's budget.
+    let long_id = unique_id("release-retry-long");
+    let words: Vec<String> = (0..30_000).map(|i| format!("w{i}")).collect();
+    for (id, prompt) in [
+        (&id, "decode comes back later".to_owned()),
+        (&long_id, words.join(" ")),
+    ] {
+        let reply = post("release_retry", id, &prompt).send().await;
+        assert_eq!(reply.status, 503, "{}", reply.body);
+        // The client may get Envoy's 503 (decode refused the connection) before prefill has
+        // the request: the router connects to decode as soon as the headers pass.
+        wait_for_prefill(id, Duration::from_secs(5)).await;
+        assert_eq!(h.prefill_requests(id).len(), 1);
+    }
     // The first release, right after prefill's answer, finds no decode. Decode comes back
     // before the next attempt (1 s).
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -284,17 +291,19 @@ async fn a_release_decode_could_not_take_is_sent_again_once_decode_is_back() {
     let late = mock_vllm::MockServer::start(mock_vllm::Role::Decode, &address)
         .await
         .expect("decode on the late port");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while late.requests_with_id(&id).is_empty() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    for id in [&id, &long_id] {
+        let deadline = Instant::now() + Duration::from_secs(6);
+        while late.requests_with_id(id).is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let released = late.requests_with_id(id);
+        assert_eq!(
+            released.len(),
+            1,
+            "{id}: one release reached the decode that came back"
+        );
+        assert!(released[0].header(common::KV_RELEASE_HEADER).is_some());
     }
-    let released = late.requests_with_id(&id);
-    assert_eq!(
-        released.len(),
-        1,
-        "one release reached the decode that came back"
-    );
-    assert!(released[0].header(common::KV_RELEASE_HEADER).is_some());
     assert_eq!(
         wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
         Ok(())
