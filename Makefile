@@ -13,7 +13,7 @@ ENVOY ?= $(shell command -v envoy 2>/dev/null || echo $(CURDIR)/$(VENV)/bin/envo
 # (no Envoy) and the load test (its own tier).
 ENVOY_TESTS := $(filter-out properties load,$(basename $(notdir $(wildcard tests/*.rs))))
 
-.PHONY: build envoy python-deps run test test-modules test-fast test-envoy test-load test-wasm test-compose lint bench bench-ab bench-wasm clean image help
+.PHONY: build envoy python-deps run test test-modules test-fast test-envoy test-load test-wasm test-compose lint bench bench-ab bench-instructions base-build bench-wasm clean image help
 
 build: ## Build the filter: target/wasm32-wasip1/release/pd_filter.wasm
 	@rustup target list --installed | grep -qx $(WASM_TARGET) || rustup target add $(WASM_TARGET)
@@ -81,16 +81,26 @@ bench: build envoy ## Benchmark on loopback against vllm-router, about 15 minute
 # bench/envoy-bench.yaml in two Envoys, interleaved rounds (bench/ab.py). AB_ARGS: for
 # example "--size 65536 --rounds 16" or "--listener merge_off".
 BASE ?= HEAD~1
-bench-ab: build envoy ## A/B of the filter against BASE's build (BASE=rev, default HEAD~1), about 2 minutes
+BASE_WASM = target/ab/target/$(WASM_TARGET)/release/pd_filter.wasm
+bench-ab: build envoy base-build ## A/B of the filter against BASE's build (BASE=rev, default HEAD~1), about 2 minutes
 	@command -v wrk >/dev/null || { echo "bench-ab needs wrk (apt-get install wrk)"; exit 1; }
+	ENVOY="$(ENVOY)" python3 bench/ab.py $(BASE_WASM) target/$(WASM_TARGET)/release/pd_filter.wasm $(AB_ARGS)
+
+# The same comparison in instructions counted by callgrind, which this noisy machine does not
+# move (bench/instructions.py). INSTRUCTIONS_ARGS: for example "--stream" or "--size 65536".
+bench-instructions: build envoy base-build ## Instructions per request under callgrind, against BASE's build (valgrind), about 6 minutes
+	@command -v valgrind >/dev/null || { echo "bench-instructions needs valgrind (apt-get install valgrind)"; exit 1; }
+	ENVOY="$(ENVOY)" python3 bench/instructions.py $(BASE_WASM) target/$(WASM_TARGET)/release/pd_filter.wasm \
+		$(INSTRUCTIONS_ARGS)
+
+# BASE's filter, built in a worktree, and the bench backend.
+base-build:
 	@rm -rf target/ab/base && git worktree prune
 	git worktree add --detach -f target/ab/base "$(BASE)"
 	cd target/ab/base && CARGO_TARGET_DIR="$(CURDIR)/target/ab/target" \
 		cargo build --quiet --release --target $(WASM_TARGET) -p pd-filter
 	git worktree remove --force target/ab/base
 	cargo build --quiet --release -p mock-vllm --bin bench-backend
-	ENVOY="$(ENVOY)" python3 bench/ab.py target/ab/target/$(WASM_TARGET)/release/pd_filter.wasm \
-		target/$(WASM_TARGET)/release/pd_filter.wasm $(AB_ARGS)
 
 # The same timing harness (src/timing.rs) natively and as wasm32 under Node's WASI, optimized.
 bench-wasm: ## Time the body rewrite natively and as wasm32 under Node (src/timing.rs)
