@@ -311,6 +311,20 @@ async fn a_release_decode_could_not_take_is_sent_again_once_decode_is_back() {
     assert_filter_healthy();
 }
 
+/// A decode worker killed with requests on its connections: Envoy answers them 503
+/// (`upstream_reset_before_response_started{connection_termination}`), and no decode reads
+/// their KV. A fault soak that killed decode seven times left such KV for vLLM's timeout.
+#[tokio::test]
+async fn decode_that_closes_its_connection_before_answering_strands_no_kv() {
+    let _serial = SERIAL.lock().await;
+    let id = unique_id("decode-closes");
+    let reply = post("default", &id, "decode goes mock:decode_reset")
+        .send()
+        .await;
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    assert_released_once(&id).await;
+}
+
 #[tokio::test]
 async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
     let _serial = SERIAL.lock().await;

@@ -361,7 +361,7 @@ impl Faults {
         Faults {
             status: num("status"),
             delay_ms: num("delay_ms"),
-            reset: prefill && flag("reset"),
+            reset: flag("reset"),
             reset_mid: flag(if prefill {
                 "reset_mid_answer"
             } else {
@@ -454,7 +454,9 @@ async fn inference(
     // vLLM refuses a request in its API server (a 4xx) before the engine, which reads the
     // KV, sees it.
     let refused = parsed.is_err() || faults.status.is_some_and(|status| status < 500);
-    if role == Role::Decode && !refused {
+    // A decode worker that closes the connection (`mock:decode_reset`) stands for one killed
+    // before its engine took the request: it never reads the KV.
+    if role == Role::Decode && !refused && !faults.reset {
         // A decode worker takes the KV as soon as it has the request; one cancelled later
         // still tells prefill (vLLM's abort path), so the KV counts as read from here.
         // Its own task: a request whose connection closes now (the client left) has still
@@ -479,7 +481,7 @@ async fn inference(
     }
     if faults.reset {
         // Returning an error makes hyper close the connection without writing anything.
-        return Err(io::Error::other("mock: prefill_reset"));
+        return Err(io::Error::other(format!("mock: {}_reset", role.as_str())));
     }
     if faults.non_json {
         let mut resp = Response::new(full("this is not json"));

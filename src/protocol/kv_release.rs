@@ -3,11 +3,15 @@
 //! carrying the same `kv_transfer_params` to decode frees them at once instead of when
 //! prefill gives up on them.
 
-/// Whether Envoy answered the decode leg itself without a decode worker ever taking the
-/// request: a connection that never opened, no host, no cluster, no route, a full pool.
+/// Whether Envoy answered the decode leg itself with no decode worker that will read the
+/// KV: a connection that never opened, no host, no cluster, no route, a full pool; or a
+/// connection closed or reset before decode answered (a decode worker killed or crashed, or
+/// a kept-alive connection it had closed as Envoy sent the request). In the last case decode
+/// may have read the KV before it went; the release then costs a decode one token, and the
+/// client, answered by Envoy, never sees the first decode's answer either way.
 /// `code_details` is Envoy's `response.code_details` (`via_upstream` for a decode answer).
-pub fn decode_never_read(code_details: &str) -> bool {
-    const NEVER_SENT: [&str; 7] = [
+pub fn decode_will_not_read(code_details: &str) -> bool {
+    const NOT_READ: [&str; 8] = [
         "connection_failure",
         "connection_timeout",
         // HTTP/2 REFUSED_STREAM: the server says it did not process the stream.
@@ -16,8 +20,10 @@ pub fn decode_never_read(code_details: &str) -> bool {
         "cluster_not_found",
         "route_not_found",
         "overflow",
+        // Closed (`connection_termination`) or reset (`remote_reset`) before any answer.
+        "upstream_reset_before_response_started",
     ];
-    code_details != "via_upstream" && NEVER_SENT.iter().any(|what| code_details.contains(what))
+    code_details != "via_upstream" && NOT_READ.iter().any(|what| code_details.contains(what))
 }
 
 /// Whether decode itself refused the request: a 4xx of its own, or a 503. vLLM checks a
@@ -108,7 +114,7 @@ mod tests {
     }
 
     #[test]
-    fn only_answers_envoy_made_before_decode_took_the_request_need_a_release() {
+    fn only_answers_envoy_made_before_decode_answered_need_a_release() {
         for never in [
             "upstream_reset_before_response_started{remote_connection_failure|delayed_connect_error:_Connection_refused}",
             "upstream_reset_before_response_started{connection_failure}",
@@ -118,16 +124,18 @@ mod tests {
             "upstream_reset_before_response_started{overflow}",
             "upstream_reset_before_response_started{connection_timeout}",
             "upstream_reset_before_response_started{remote_refused_stream_reset}",
+            "upstream_reset_before_response_started{connection_termination}",
+            "upstream_reset_before_response_started{remote_reset}",
         ] {
-            assert!(decode_never_read(never), "{never}");
+            assert!(decode_will_not_read(never), "{never}");
         }
+        // Decode has the request: its answer began, or it is still working on it.
         for read in [
             "via_upstream",
             "upstream_reset_after_response_started{remote_reset}",
             "response_timeout",
-            "upstream_reset_before_response_started{remote_reset}",
         ] {
-            assert!(!decode_never_read(read), "{read}");
+            assert!(!decode_will_not_read(read), "{read}");
         }
     }
 

@@ -2,7 +2,7 @@
 //! prompt logprobs) written into it.
 
 use crate::config::Config;
-use crate::protocol::kv_release::{decode_never_read, decode_refused};
+use crate::protocol::kv_release::{decode_refused, decode_will_not_read};
 use crate::protocol::usage::{merge_answer, EventStream};
 use crate::protocol::{media_type, prompt_logprobs};
 
@@ -168,10 +168,10 @@ impl Session {
         // Decode has the request from here on, or never will.
         let unread = unread_kv.take();
         if let Some(unread) = unread {
-            let never_reached = head.code_details.is_some_and(decode_never_read)
+            let not_read = head.code_details.is_some_and(decode_will_not_read)
                 || head.decode_connected == Some(false);
-            let reason = if never_reached {
-                Some("decode was never reached")
+            let reason = if not_read {
+                Some("decode was not reached, or went before it answered")
             } else if decode_refused(head.status, head.code_details) {
                 Some("decode refused the request")
             } else {
