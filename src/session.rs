@@ -95,7 +95,9 @@ pub enum Command {
     },
     /// Removes a response header (only while the response headers are being read).
     RemoveResponseHeader(String),
-    /// Replaces the response body seen so far, `replaced_len` bytes long. `announce_length`:
+    /// Replaces the first `replaced_len` bytes of the response body Envoy holds (the body
+    /// seen so far, or the latest chunk of a stream) with `body`, never longer than the
+    /// configured limit; with `replaced_len` 0, puts `body` before it. `announce_length`:
     /// the response headers, held for this body, then get its `content-length` (only once
     /// the body is in place, so that the two always agree).
     ReplaceResponseBody {

@@ -147,7 +147,7 @@ fn usage_timing(target: &str) {
             "usage_stream",
             &stream,
             Box::new(|| {
-                let mut events = EventStream::new(HeldBytes::new(usize::MAX));
+                let mut events = EventStream::new(HeldBytes::new(usize::MAX), usize::MAX);
                 black_box(events.on_chunk(
                     Api::ChatCompletions,
                     &prompt,
@@ -160,7 +160,7 @@ fn usage_timing(target: &str) {
             "usage_long_event",
             &long_event,
             Box::new(|| {
-                let mut events = EventStream::new(HeldBytes::new(usize::MAX));
+                let mut events = EventStream::new(HeldBytes::new(usize::MAX), usize::MAX);
                 for piece in long_event.chunks(1024) {
                     black_box(events.on_chunk(Api::ChatCompletions, &prompt, piece, false));
                 }

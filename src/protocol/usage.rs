@@ -343,20 +343,55 @@ const MAX_HELD_EVENT: usize = 1 << 20;
 /// for its end (a client cannot use half an event anyway), counted against the VM's budget.
 /// The work per chunk depends on the chunk and on the events it completes, not on how long
 /// the answer, or the event still waiting, is so far.
+///
+/// What replaces a chunk is never longer than the stream's limit (`max_request_body_bytes`,
+/// what Envoy's buffer is known to hold), and no more than that limit waits at any time.
+/// Where a chunk's rewrite would be longer, the rewriter gives up for the rest of the stream
+/// ([`Rewritten::GaveUp`]): the bytes waiting go before the chunk, which goes on as decode
+/// wrote it, as does every chunk after it. Every byte of decode's stream reaches the client
+/// once, in order, whatever the chunking.
 #[derive(Debug)]
 pub struct EventStream {
     held: Vec<u8>,
     budget: HeldBytes,
     reserved: Option<Reservation>,
+    /// The longest a chunk's rewrite may be.
+    limit: usize,
+    /// Given up: the rest of the stream goes on as decode wrote it.
+    gave_up: bool,
+}
+
+/// What goes on to the client for one chunk of an event stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rewritten {
+    /// The chunk, as decode wrote it.
+    AsIs,
+    /// These bytes instead of the chunk; never longer than the stream's limit.
+    Replaced(Vec<u8>),
+    /// The rewrite would have been longer than the stream's limit: `held`, the bytes that
+    /// waited from earlier chunks (never longer than the limit), go before the chunk, which
+    /// goes on as decode wrote it, and so does the rest of the stream.
+    GaveUp { held: Vec<u8> },
+}
+
+/// Where the bytes held before a chunk are, should the rewriter give up on it.
+enum HeldBefore {
+    /// The first bytes of the output, which is unmerged.
+    StartOf(usize),
+    /// On their own.
+    Apart(Vec<u8>),
 }
 
 impl EventStream {
-    /// A stream whose waiting bytes count against `budget`.
-    pub fn new(budget: HeldBytes) -> EventStream {
+    /// A stream whose waiting bytes count against `budget`, and whose chunks are rewritten
+    /// into at most `limit` bytes.
+    pub fn new(budget: HeldBytes, limit: usize) -> EventStream {
         EventStream {
             held: Vec::new(),
             budget,
             reserved: None,
+            limit,
+            gave_up: false,
         }
     }
 
@@ -370,34 +405,57 @@ impl EventStream {
         self.held.len()
     }
 
-    /// The bytes to send on for `chunk`; `None` when they are exactly `chunk`. An event
-    /// longer than [`MAX_HELD_EVENT`], or one the VM's budget has no room for, goes on as
-    /// it is.
+    /// The longest part of an event that waits for its end: one longer could not go on
+    /// whole, once ended, in a rewrite within the limit.
+    fn longest_held(&self) -> usize {
+        MAX_HELD_EVENT.min(self.limit)
+    }
+
+    /// What goes on for `chunk`. An event longer than [`MAX_HELD_EVENT`] or the limit, or
+    /// one the VM's budget has no room for, goes on as it is.
     pub fn on_chunk(
         &mut self,
         api: Api,
         prompt: &PromptUsage,
         chunk: &[u8],
         end_of_stream: bool,
-    ) -> Option<Vec<u8>> {
+    ) -> Rewritten {
+        if self.gave_up {
+            return Rewritten::AsIs;
+        }
+        let longest = self.longest_held();
         let had_held = self.held.len();
-        let mut data = std::mem::take(&mut self.held);
         if had_held == 0 {
-            let complete_end = if end_of_stream || chunk.len() > MAX_HELD_EVENT {
+            let complete_end = if end_of_stream || chunk.len() > longest {
                 chunk.len()
             } else {
                 after_last_event(chunk)
             };
             let (complete, rest) = chunk.split_at(complete_end);
-            let out = merge_events(api, prompt, complete);
-            if rest.is_empty() {
-                return out;
-            }
-            data.extend_from_slice(rest);
-            return self.hold(data, out.unwrap_or_else(|| complete.to_vec()));
+            let merged = merge_events(api, prompt, complete);
+            let reserved = if rest.is_empty() {
+                None
+            } else {
+                self.budget.reserve(rest.len())
+            };
+            let Some(reserved) = reserved else {
+                // Nothing waits (or the budget has no room for it): the chunk goes on whole.
+                return match merged {
+                    None => Rewritten::AsIs,
+                    Some(mut out) => {
+                        out.extend_from_slice(rest);
+                        self.replace(out, HeldBefore::StartOf(0))
+                    }
+                };
+            };
+            let out = merged.unwrap_or_else(|| complete.to_vec());
+            return self.send_and_hold(out, rest.to_vec(), reserved, HeldBefore::StartOf(0));
         }
+        // The bytes held so far stay the first of `data` until the chunk's fate is known.
+        let mut data = std::mem::take(&mut self.held);
+        self.reserved = None;
         data.extend_from_slice(chunk);
-        let complete_end = if end_of_stream || data.len() > MAX_HELD_EVENT {
+        let complete_end = if end_of_stream || data.len() > longest {
             data.len()
         } else {
             // The bytes held end no event: only an end that takes a byte of the chunk can
@@ -409,28 +467,79 @@ impl EventStream {
             }
         };
         if complete_end == 0 {
-            return self.hold(data, Vec::new());
+            // The event still waits for its end, or goes on as it is.
+            return match self.budget.reserve(data.capacity()) {
+                Some(reserved) => {
+                    self.held = data;
+                    self.reserved = Some(reserved);
+                    Rewritten::Replaced(Vec::new())
+                }
+                None => self.replace(data, HeldBefore::StartOf(had_held)),
+            };
         }
         let rest = data.get(complete_end..).unwrap_or_default().to_vec();
         data.truncate(complete_end);
-        let out = merge_events(api, prompt, &data).unwrap_or(data);
-        self.hold(rest, out)
-    }
-
-    /// Keeps `waiting` for its event's end, within the VM's budget, and sends `out`; with no
-    /// room, sends the waiting bytes on after `out` as they are.
-    fn hold(&mut self, waiting: Vec<u8>, mut out: Vec<u8>) -> Option<Vec<u8>> {
-        self.reserved = None;
-        if !waiting.is_empty() {
-            match self.budget.reserve(waiting.capacity()) {
-                Some(reservation) => {
-                    self.reserved = Some(reservation);
-                    self.held = waiting;
-                }
-                None => out.extend_from_slice(&waiting),
+        let reserved = if rest.is_empty() {
+            None
+        } else {
+            self.budget.reserve(rest.capacity())
+        };
+        let (mut out, before) = match merge_events(api, prompt, &data) {
+            Some(merged) => {
+                data.truncate(had_held);
+                (merged, HeldBefore::Apart(data))
+            }
+            None => (data, HeldBefore::StartOf(had_held)),
+        };
+        match reserved {
+            Some(reserved) => self.send_and_hold(out, rest, reserved, before),
+            None => {
+                out.extend_from_slice(&rest);
+                self.replace(out, before)
             }
         }
-        Some(out)
+    }
+
+    /// Sends `out` and keeps `waiting` for its event's end, within `reserved` of the VM's
+    /// budget; gives up where `out` is longer than the limit.
+    fn send_and_hold(
+        &mut self,
+        out: Vec<u8>,
+        waiting: Vec<u8>,
+        reserved: Reservation,
+        before: HeldBefore,
+    ) -> Rewritten {
+        if out.len() > self.limit {
+            return self.give_up(out, before);
+        }
+        self.held = waiting;
+        self.reserved = Some(reserved);
+        Rewritten::Replaced(out)
+    }
+
+    /// Sends `out` with nothing waiting; gives up where it is longer than the limit.
+    fn replace(&mut self, out: Vec<u8>, before: HeldBefore) -> Rewritten {
+        if out.len() > self.limit {
+            return self.give_up(out, before);
+        }
+        Rewritten::Replaced(out)
+    }
+
+    /// Gives up on the stream: what waited from earlier chunks goes before this one, and
+    /// nothing is held or rewritten from here on.
+    fn give_up(&mut self, out: Vec<u8>, before: HeldBefore) -> Rewritten {
+        self.gave_up = true;
+        self.held = Vec::new();
+        self.reserved = None;
+        let held = match before {
+            HeldBefore::StartOf(len) => {
+                let mut out = out;
+                out.truncate(len);
+                out
+            }
+            HeldBefore::Apart(held) => held,
+        };
+        Rewritten::GaveUp { held }
     }
 }
 
@@ -870,27 +979,27 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
         let token = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n";
         let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}\n\n";
         let done = "data: [DONE]\n\n";
-        let mut stream = EventStream::new(HeldBytes::new(usize::MAX));
+        let mut stream = EventStream::new(HeldBytes::new(usize::MAX), usize::MAX);
         let api = Api::ChatCompletions;
         assert_eq!(
             stream.on_chunk(api, &prefill(api), token.as_bytes(), false),
-            None
+            Rewritten::AsIs
         );
-        let merged = stream
-            .on_chunk(
-                api,
-                &prefill(api),
-                format!("{token}{usage}").as_bytes(),
-                false,
-            )
-            .unwrap();
+        let Rewritten::Replaced(merged) = stream.on_chunk(
+            api,
+            &prefill(api),
+            format!("{token}{usage}").as_bytes(),
+            false,
+        ) else {
+            panic!("the usage event merged");
+        };
         let text = String::from_utf8(merged).unwrap();
         assert!(text.starts_with(token));
         assert!(text.contains("\"cached_tokens\":2"));
         assert!(text.ends_with("\n\n"));
         assert_eq!(
             stream.on_chunk(api, &prefill(api), done.as_bytes(), true),
-            None
+            Rewritten::AsIs
         );
     }
 
@@ -902,16 +1011,18 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
             let usage = format!(
                 "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}}}{newline}{newline}"
             );
-            let mut stream = EventStream::new(HeldBytes::new(usize::MAX));
+            let mut stream = EventStream::new(HeldBytes::new(usize::MAX), usize::MAX);
             let api = Api::Completions;
             assert_eq!(
                 stream.on_chunk(api, &prefill(api), token.as_bytes(), false),
-                None,
+                Rewritten::AsIs,
                 "{newline:?}: a token event is not held"
             );
-            let merged = stream
-                .on_chunk(api, &prefill(api), usage.as_bytes(), false)
-                .expect("the usage event merged");
+            let Rewritten::Replaced(merged) =
+                stream.on_chunk(api, &prefill(api), usage.as_bytes(), false)
+            else {
+                panic!("{newline:?}: the usage event merged");
+            };
             let text = String::from_utf8(merged).unwrap();
             let data = text
                 .strip_prefix("data: ")
@@ -936,15 +1047,13 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
             let whole = lf.replace('\n', newline);
             let event_end = newline.repeat(2);
             for cut in 1..whole.len() {
-                let mut stream = EventStream::new(HeldBytes::new(usize::MAX));
+                let mut stream = EventStream::new(HeldBytes::new(usize::MAX), usize::MAX);
                 let api = Api::Completions;
                 let (first, second) = whole.as_bytes().split_at(cut);
                 let mut out = Vec::new();
                 for (chunk, end) in [(first, false), (second, true)] {
-                    match stream.on_chunk(api, &prefill(api), chunk, end) {
-                        Some(bytes) => out.extend_from_slice(&bytes),
-                        None => out.extend_from_slice(chunk),
-                    }
+                    let rewritten = stream.on_chunk(api, &prefill(api), chunk, end);
+                    out.extend_from_slice(&sent(rewritten, chunk));
                 }
                 let text = String::from_utf8(out).unwrap();
                 let case = format!("{newline:?} cut at {cut}: {text:?}");
@@ -958,6 +1067,18 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
         }
     }
 
+    /// What the client gets for `chunk`: Envoy's buffer as the rewrite leaves it.
+    fn sent(rewritten: Rewritten, chunk: &[u8]) -> Vec<u8> {
+        match rewritten {
+            Rewritten::AsIs => chunk.to_vec(),
+            Rewritten::Replaced(bytes) => bytes,
+            Rewritten::GaveUp { mut held } => {
+                held.extend_from_slice(chunk);
+                held
+            }
+        }
+    }
+
     /// Feeds `stream_text` in pieces of the given sizes (cycled) and returns what goes on.
     fn fed_in_pieces(stream: &mut EventStream, stream_text: &[u8], sizes: &[usize]) -> Vec<u8> {
         let api = Api::Completions;
@@ -967,10 +1088,8 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
             let end = (at + size).min(stream_text.len());
             let chunk = &stream_text[at..end];
             let last = end == stream_text.len();
-            match stream.on_chunk(api, &prefill(api), chunk, last) {
-                Some(bytes) => out.extend_from_slice(&bytes),
-                None => out.extend_from_slice(chunk),
-            }
+            let rewritten = stream.on_chunk(api, &prefill(api), chunk, last);
+            out.extend_from_slice(&sent(rewritten, chunk));
             // No complete event is held back.
             let fed = &stream_text[..end];
             if after_last_event(fed) == fed.len() {
@@ -993,7 +1112,7 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
         let lf = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}\n\n: ping\n\ndata: [DONE]\n\n";
         for newline in ["\n", "\r\n", "\r"] {
             let whole = lf.replace('\n', newline);
-            let unlimited = || EventStream::new(HeldBytes::new(usize::MAX));
+            let unlimited = || EventStream::new(HeldBytes::new(usize::MAX), usize::MAX);
             let at_once = fed_in_pieces(&mut unlimited(), whole.as_bytes(), &[whole.len()]);
             assert!(String::from_utf8_lossy(&at_once).contains("\"cached_tokens\":2"));
             for sizes in [&[1][..], &[2], &[3], &[1, 2, 3, 4, 5, 6, 7], &[5, 1]] {
@@ -1011,18 +1130,18 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
     fn an_event_the_vms_budget_has_no_room_for_goes_on_as_it_is() {
         let text = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":1,\"total_tokens\":8}}\n\ndata: [DONE]\n\n";
         let budget = HeldBytes::new(16);
-        let mut stream = EventStream::new(budget.clone());
+        let mut stream = EventStream::new(budget.clone(), usize::MAX);
         // Nothing is lost or held past the budget: the cut event goes on unmerged.
         let out = fed_in_pieces(&mut stream, text.as_bytes(), &[40]);
         assert_eq!(String::from_utf8_lossy(&out), text);
         assert_eq!(budget.held(), 0);
         // With room, the same stream is merged, and the budget is given back at its end.
         let budget = HeldBytes::new(4096);
-        let mut stream = EventStream::new(budget.clone());
+        let mut stream = EventStream::new(budget.clone(), usize::MAX);
         let out = fed_in_pieces(&mut stream, text.as_bytes(), &[40]);
         assert!(String::from_utf8_lossy(&out).contains("\"cached_tokens\":2"));
         assert_eq!(budget.held(), 0);
-        let mut stream = EventStream::new(budget.clone());
+        let mut stream = EventStream::new(budget.clone(), usize::MAX);
         assert_eq!(
             stream.on_chunk(
                 Api::Completions,
@@ -1030,10 +1149,226 @@ data: {"type":"response.created","response":{"id":"r","status":"in_progress","us
                 &text.as_bytes()[..40],
                 false
             ),
-            Some(Vec::new())
+            Rewritten::Replaced(Vec::new())
         );
         assert!(budget.held() >= 40);
         drop(stream);
         assert_eq!(budget.held(), 0);
+    }
+
+    /// A small, seeded generator: the same chunkings on every run and target.
+    struct Chunking(u64);
+
+    impl Chunking {
+        fn next(&mut self, below: usize) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % below as u64) as usize
+        }
+
+        /// Cuts `len` bytes into pieces of 0 to `longest` bytes: where each piece ends.
+        fn cuts(&mut self, len: usize, longest: usize) -> Vec<usize> {
+            let mut ends = Vec::new();
+            let mut at = 0;
+            while at < len {
+                at = (at + self.next(longest + 1)).min(len);
+                ends.push(at);
+            }
+            ends
+        }
+    }
+
+    /// A stream of each API whose usage events prefill's counts change (decode counts 7
+    /// cache hits, prefill 2), one of them with two usage events.
+    fn streams() -> Vec<(Api, String)> {
+        let completions = concat!(
+            "data: {\"id\":\"c\",\"choices\":[{\"text\":\"Hel\"}]}\n\n",
+            "data: {\"id\":\"c\",\"choices\":[{\"text\":\"lo\"}]}\n\n",
+            "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":2,\"total_tokens\":9,\"prompt_tokens_details\":{\"cached_tokens\":7}}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let responses = concat!(
+            "event: response.created\n",
+            "data: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"status\":\"in_progress\",\"usage\":null}}\n\n",
+            "event: response.output_text.delta\n",
+            "data: {\"type\":\"response.output_text.delta\",\"delta\":\"Hello\"}\n\n",
+            "event: response.completed\n",
+            "data: {\"type\":\"response.completed\",\"response\":{\"id\":\"r\",\"status\":\"completed\",\"output\":[{\"type\":\"message\",\"content\":[{\"type\":\"output_text\",\"text\":\"Hello\"}]}],\"usage\":{\"input_tokens\":7,\"output_tokens\":1,\"total_tokens\":8,\"input_tokens_details\":{\"cached_tokens\":7}}}}\n\n",
+        );
+        let messages = concat!(
+            "event: message_start\n",
+            "data: {\"type\":\"message_start\",\"message\":{\"id\":\"m\",\"content\":[],\"usage\":{\"input_tokens\":7,\"output_tokens\":0,\"cache_read_input_tokens\":7}}}\n\n",
+            "event: content_block_delta\n",
+            "data: {\"type\":\"content_block_delta\",\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n",
+            "event: message_delta\n",
+            "data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"input_tokens\":7,\"output_tokens\":1,\"cache_read_input_tokens\":7}}\n\n",
+            "event: message_stop\n",
+            "data: {\"type\":\"message_stop\"}\n\n",
+        );
+        vec![
+            (Api::Completions, completions.to_owned()),
+            (Api::Responses, responses.to_owned()),
+            (Api::Messages, messages.to_owned()),
+        ]
+    }
+
+    /// `original`'s events, each as decode wrote it and, where it carries usage, merged.
+    fn events_of(api: Api, original: &str) -> Vec<(&[u8], Option<Vec<u8>>)> {
+        original
+            .split_inclusive("\n\n")
+            .map(|event| {
+                let merged = event
+                    .strip_suffix("\n\n")
+                    .and_then(|body| merge_event(api, body.as_bytes(), &prefill(api)))
+                    .map(|mut merged| {
+                        merged.extend_from_slice(b"\n\n");
+                        merged
+                    });
+                (event.as_bytes(), merged)
+            })
+            .collect()
+    }
+
+    /// Whether `out` is the stream of `events` event by event, each as decode wrote it or
+    /// with prefill's usage merged: no byte lost, repeated, moved or changed elsewhere.
+    fn only_usage_changed(events: &[(&[u8], Option<Vec<u8>>)], out: &[u8]) -> bool {
+        let mut rest = out;
+        for (event, merged) in events {
+            if let Some(after) = rest.strip_prefix(*event) {
+                rest = after;
+            } else if let Some(after) = merged.as_deref().and_then(|m| rest.strip_prefix(m)) {
+                rest = after;
+            } else {
+                return false;
+            }
+        }
+        rest.is_empty()
+    }
+
+    /// Feeds `text` cut at `ends` to a stream whose rewrites may be `limit` bytes long, and
+    /// returns what the client gets and whether the stream was given up; checks every step
+    /// against the limit and the budget.
+    fn fed_within(api: Api, text: &str, ends: &[usize], limit: usize) -> (Vec<u8>, bool) {
+        let prompt = prefill(api);
+        let budget = HeldBytes::new(usize::MAX);
+        let mut stream = EventStream::new(budget.clone(), limit);
+        let mut out = Vec::new();
+        let mut gave_up = false;
+        let mut at = 0;
+        for (index, &end) in ends.iter().enumerate() {
+            let chunk = &text.as_bytes()[at..end];
+            let last = index + 1 == ends.len();
+            let rewritten = stream.on_chunk(api, &prompt, chunk, last);
+            let case = || format!("{api:?} limit {limit}, cut at {ends:?}, chunk {index}");
+            match &rewritten {
+                Rewritten::AsIs => {}
+                Rewritten::Replaced(bytes) => {
+                    assert!(!gave_up, "rewritten after giving up: {}", case());
+                    assert!(bytes.len() <= limit, "{} bytes: {}", bytes.len(), case());
+                }
+                Rewritten::GaveUp { held } => {
+                    assert!(!gave_up, "gave up twice: {}", case());
+                    assert!(held.len() <= limit, "{} held: {}", held.len(), case());
+                    assert_eq!(budget.held(), 0, "reservation kept: {}", case());
+                    gave_up = true;
+                }
+            }
+            assert!(stream.held_len() <= limit, "{}", case());
+            out.extend_from_slice(&sent(rewritten, chunk));
+            at = end;
+        }
+        assert!(!stream.holds_bytes(), "held past the stream's end");
+        assert_eq!(budget.held(), 0);
+        (out, gave_up)
+    }
+
+    #[test]
+    fn an_event_cut_before_a_chunk_too_large_to_rewrite_goes_before_it() {
+        // The rest of a responses stream in one chunk, after a first one that ends in the
+        // middle of an event: merged, the two would be longer than the limit.
+        let (api, text) = streams().swap_remove(1);
+        let first = "event: response.created\nd".len();
+        let limit = 300;
+        assert!(text.len() > limit);
+        let budget = HeldBytes::new(usize::MAX);
+        let mut stream = EventStream::new(budget.clone(), limit);
+        let (head, rest) = text.as_bytes().split_at(first);
+        assert_eq!(
+            stream.on_chunk(api, &prefill(api), head, false),
+            Rewritten::Replaced(Vec::new()),
+            "the cut event waits"
+        );
+        assert_eq!(
+            stream.on_chunk(api, &prefill(api), rest, true),
+            Rewritten::GaveUp {
+                held: head.to_vec()
+            },
+            "what waited goes before the chunk, as decode wrote both"
+        );
+        assert_eq!(budget.held(), 0);
+        assert!(!stream.holds_bytes());
+        // The rest of the stream is neither read nor held.
+        assert_eq!(
+            stream.on_chunk(api, &prefill(api), b"event: x\ndata: {\"usage\":{}}", false),
+            Rewritten::AsIs
+        );
+        assert!(!stream.holds_bytes());
+        let (out, gave_up) = fed_within(api, &text, &[first, text.len()], limit);
+        assert!(gave_up);
+        assert_eq!(String::from_utf8_lossy(&out), text);
+        // With room, the same chunks are merged.
+        let (out, gave_up) = fed_within(api, &text, &[first, text.len()], text.len() + 64);
+        assert!(!gave_up);
+        assert!(String::from_utf8_lossy(&out).contains("\"cached_tokens\":2"));
+    }
+
+    #[test]
+    fn no_byte_is_lost_or_repeated_whatever_the_chunks_and_the_limit() {
+        let mut chunking = Chunking(0x9e37_79b9_7f4a_7c15);
+        for (api, text) in streams() {
+            let len = text.len();
+            let events = events_of(api, &text);
+            let (merged, _) = fed_within(api, &text, &[len], usize::MAX);
+            assert_ne!(merged, text.as_bytes(), "{api:?}: the stream is merged");
+            assert!(only_usage_changed(&events, &merged), "{api:?}");
+            let limits = [1, 7, 30, 64, 100, 150, 200, 250, 300, len / 2, len - 1, len];
+            for limit in limits.into_iter().chain([len + 8, len + 64, usize::MAX]) {
+                let mut chunkings: Vec<Vec<usize>> = (0..=len).map(|cut| vec![cut, len]).collect();
+                chunkings.extend((0..60).map(|_| chunking.cuts(len, 48)));
+                chunkings.extend((0..30).map(|_| chunking.cuts(len, 160)));
+                chunkings.extend((0..10).map(|_| chunking.cuts(len, 3)));
+                for ends in chunkings {
+                    let (out, _) = fed_within(api, &text, &ends, limit);
+                    assert!(
+                        only_usage_changed(&events, &out),
+                        "{api:?} limit {limit}, cut at {ends:?}:\n{}",
+                        String::from_utf8_lossy(&out)
+                    );
+                    // With room for the whole stream, every chunking gives the same merge.
+                    if limit >= len + 64 {
+                        assert_eq!(out, merged, "{api:?} limit {limit}, cut at {ends:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn no_more_than_the_limit_waits() {
+        // An event longer than the limit goes on as it is: once ended, it could not go on
+        // merged within the limit anyway. The stream goes on being read.
+        let (api, text) = streams().swap_remove(0);
+        let limit = 40;
+        let budget = HeldBytes::new(usize::MAX);
+        let mut stream = EventStream::new(budget.clone(), limit);
+        let mut out = Vec::new();
+        for chunk in text.as_bytes().chunks(30) {
+            let rewritten = stream.on_chunk(api, &prefill(api), chunk, false);
+            assert!(stream.held_len() <= limit);
+            assert!(budget.held() <= 2 * limit);
+            out.extend_from_slice(&sent(rewritten, chunk));
+        }
+        assert!(only_usage_changed(&events_of(api, &text), &out));
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::config::Config;
 use crate::protocol::kv_release::{decode_refused, decode_will_not_read};
-use crate::protocol::usage::{merge_answer, EventStream};
+use crate::protocol::usage::{merge_answer, EventStream, Rewritten};
 use crate::protocol::{media_type, prompt_logprobs};
 
 use super::*;
@@ -134,8 +134,10 @@ impl Session {
         let essence = head.content_type.map(media_type).unwrap_or_default().trim();
         let mut rewrite = None;
         if rewrites && essence.eq_ignore_ascii_case("text/event-stream") {
-            rewrite = (prompt_usage.is_some() && *stream_usage)
-                .then(|| AnswerRewrite::Events(EventStream::new(self.held.clone())));
+            rewrite = (prompt_usage.is_some() && *stream_usage).then(|| {
+                let events = EventStream::new(self.held.clone(), config.max_request_body_bytes);
+                AnswerRewrite::Events(events)
+            });
         } else if rewrites && essence.eq_ignore_ascii_case("application/json") {
             rewrite = match head.announced_length() {
                 // Empty, or larger than any answer worth holding: as decode wrote it.
@@ -258,6 +260,9 @@ impl Session {
         let headers_held = answer.holds_headers(&self.config);
         let limit = self.config.max_request_body_bytes;
         let request_id = &self.request_id;
+        // Bytes an event stream held back from earlier chunks, to go before this one as it
+        // is: the stream is given up.
+        let mut given_up = None;
         let rewritten = match answer {
             AnswerRewrite::Untouched => None,
             AnswerRewrite::Whole { .. } => {
@@ -282,9 +287,21 @@ impl Session {
                 });
                 with_logprobs.flatten().or(merged)
             }
-            AnswerRewrite::Events(events) => prompt_usage
-                .as_ref()
-                .and_then(|(api, prompt)| events.on_chunk(*api, prompt, body, end_of_stream)),
+            AnswerRewrite::Events(events) => {
+                let rewritten = prompt_usage
+                    .as_ref()
+                    .map(|(api, prompt)| events.on_chunk(*api, prompt, body, end_of_stream));
+                match rewritten {
+                    None | Some(Rewritten::AsIs) => None,
+                    Some(Rewritten::Replaced(bytes)) => Some(bytes),
+                    Some(Rewritten::GaveUp { held }) => {
+                        // Once: from here on the stream is neither read nor held.
+                        *answer = AnswerRewrite::Untouched;
+                        given_up = Some(held);
+                        None
+                    }
+                }
+            }
         };
         let mut commands = Vec::new();
         let counts = prompt_usage
@@ -303,7 +320,26 @@ impl Session {
         }
         // Envoy's buffer holds at least `max_request_body_bytes` (documented); a larger
         // answer would make Envoy answer on its own from inside this callback. Such an answer
-        // goes on as decode wrote it.
+        // goes on as decode wrote it. An event stream's rewrite is never larger: where it
+        // would be, the stream is given up, and what it held back goes before this chunk,
+        // written on its own (never more than the limit, which bounds what it holds) while
+        // decode's chunk stays in Envoy's buffer as it is.
+        if let Some(held) = given_up {
+            log::warn!(
+                "[{}] a chunk of decode's stream with prefill's usage would be larger than \
+                 {limit} bytes (max_request_body_bytes): the rest of the stream goes on as \
+                 decode wrote it, without prefill's usage",
+                self.request_id
+            );
+            if !held.is_empty() {
+                // Envoy drains nothing and puts these bytes before the chunk.
+                commands.push(Command::ReplaceResponseBody {
+                    body: held,
+                    replaced_len: 0,
+                    announce_length: headers_held,
+                });
+            }
+        }
         // Often nothing changed (vLLM by default reports no cached_tokens on either leg, and
         // both count the same prompt): the answer is not written back.
         let rewritten = rewritten.filter(|rewritten| rewritten.as_slice() != body);

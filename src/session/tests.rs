@@ -2301,3 +2301,193 @@ fn the_filters_503s_say_when_to_try_again() {
     };
     assert!(has_retry_after(&commands), "{commands:?}");
 }
+
+/// A /v1/responses stream decode answers, its usage counting 3 cache hits (prefill: 1).
+const RESPONSES_STREAM: &str = concat!(
+    "event: response.created\n",
+    "data: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\",\"status\":\"in_progress\",\"usage\":null}}\n\n",
+    "event: response.output_text.delta\n",
+    "data: {\"type\":\"response.output_text.delta\",\"delta\":\"Hello\"}\n\n",
+    "event: response.output_text.delta\n",
+    "data: {\"type\":\"response.output_text.delta\",\"delta\":\" world\"}\n\n",
+    "event: response.completed\n",
+    "data: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"status\":\"completed\",\"output\":[{\"type\":\"message\",\"content\":[{\"type\":\"output_text\",\"text\":\"Hello world\"}]}],\"usage\":{\"input_tokens\":3,\"output_tokens\":2,\"total_tokens\":5,\"input_tokens_details\":{\"cached_tokens\":3}}}}\n\n",
+);
+
+/// A session that reads decode's /v1/responses stream for its usage, and the VM's budget.
+fn streaming_responses(config: &str) -> (Session, HeldBytes) {
+    let config = Rc::new(Config::from_json(config.as_bytes()).unwrap());
+    let held = HeldBytes::new(config.max_vm_held_bytes);
+    let mut s = Session::new(config, held.clone());
+    send(
+        &mut s,
+        &post("/v1/responses"),
+        r#"{"model":"m","input":"x","stream":true}"#,
+    );
+    s.on_prefill_dispatched(Some(1), at(0));
+    let prefill = format!(
+        r#"{{"id":"p","kv_transfer_params":{KV},"usage":{{"input_tokens":3,"output_tokens":1,"total_tokens":4,"input_tokens_details":{{"cached_tokens":1}}}}}}"#
+    );
+    s.on_prefill_answer(1, Some(200), prefill.as_bytes(), at(5));
+    s.on_response_headers(&ResponseHead {
+        content_type: Some("text/event-stream"),
+        ..upstream(200)
+    });
+    (s, held)
+}
+
+/// Envoy's side of a streamed answer given in `chunks` (the last with the stream's end):
+/// each chunk's buffer as the session's commands leave it (`set_buffer` from offset 0
+/// drains `replaced_len` bytes and puts `body` before the rest), checked against `limit`;
+/// what the client gets.
+fn client_gets(s: &mut Session, chunks: &[&[u8]], limit: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (index, chunk) in chunks.iter().enumerate() {
+        let end = index + 1 == chunks.len();
+        let step = match s.on_response_body(chunk.len(), end) {
+            BodyStep::ReadBody => s.on_response_body_read(chunk, end),
+            BodyStep::Step(step) => step,
+        };
+        assert_eq!(step.flow, Flow::Continue, "a stream is never held by Envoy");
+        let mut buffer = chunk.to_vec();
+        for command in step.commands {
+            if let Command::ReplaceResponseBody {
+                body,
+                replaced_len,
+                announce_length,
+            } = command
+            {
+                assert!(
+                    body.len() <= limit,
+                    "{} bytes written, past the limit of {limit}",
+                    body.len()
+                );
+                assert!(!announce_length);
+                assert!(replaced_len <= buffer.len());
+                buffer.splice(..replaced_len, body);
+            }
+        }
+        out.extend_from_slice(&buffer);
+    }
+    out
+}
+
+#[test]
+fn a_chunk_too_large_to_rewrite_loses_no_byte_held_before_it() {
+    // A first chunk cut in the middle of an event, held (and replaced by nothing); the rest
+    // of the stream in one chunk that, with what was held and the merged usage, is larger
+    // than the limit. The client gets decode's stream as decode wrote it.
+    let limit = 300;
+    let config = format!(r#"{{"max_request_body_bytes":{limit}}}"#);
+    let stream = RESPONSES_STREAM.as_bytes();
+    let (head, rest) = stream.split_at("event: response.created\nd".len());
+    let (mut s, held) = streaming_responses(&config);
+    assert_eq!(s.on_response_body(head.len(), false), BodyStep::ReadBody);
+    let step = s.on_response_body_read(head, false);
+    assert_eq!(
+        step.commands,
+        vec![Command::ReplaceResponseBody {
+            body: Vec::new(),
+            replaced_len: head.len(),
+            announce_length: false,
+        }],
+        "the cut event waits for its end"
+    );
+    assert!(held.held() >= head.len());
+    assert_eq!(s.on_response_body(rest.len(), true), BodyStep::ReadBody);
+    let step = s.on_response_body_read(rest, true);
+    assert_eq!(
+        step.commands,
+        vec![Command::ReplaceResponseBody {
+            body: head.to_vec(),
+            replaced_len: 0,
+            announce_length: false,
+        }],
+        "what was held goes before the chunk, written on its own"
+    );
+    assert_eq!(held.held(), 0, "the budget is given back");
+    // The rest of the stream (a trailing empty chunk here) is not even read.
+    assert_eq!(
+        s.on_response_body(0, true),
+        BodyStep::Step(Step::new(Flow::Continue, vec![]))
+    );
+    let (mut s, _) = streaming_responses(&config);
+    let out = client_gets(&mut s, &[head, rest], limit);
+    assert_eq!(String::from_utf8_lossy(&out), RESPONSES_STREAM);
+    // The same chunk ending in the middle of an event: that event goes on once.
+    let (middle, tail) = rest.split_at(rest.len() - 10);
+    let (mut s, held) = streaming_responses(&config);
+    let out = client_gets(&mut s, &[head, middle, tail], limit);
+    assert_eq!(String::from_utf8_lossy(&out), RESPONSES_STREAM);
+    assert_eq!(held.held(), 0);
+}
+
+#[test]
+fn a_stream_reaches_the_client_whole_whatever_its_chunks_and_the_limit() {
+    let stream = RESPONSES_STREAM.as_bytes();
+    let (mut s, _) = streaming_responses("");
+    let merged = client_gets(&mut s, &[stream], usize::MAX);
+    assert!(String::from_utf8_lossy(&merged).contains(r#""cached_tokens":1"#));
+    assert_eq!(merged.len(), stream.len(), "one digit for another");
+    let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = |below: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % below as u64) as usize
+    };
+    let mut merges = 0;
+    let mut given_up = 0;
+    for limit in [
+        180,
+        220,
+        260,
+        300,
+        350,
+        450,
+        stream.len() - 1,
+        stream.len() + 64,
+    ] {
+        let config = format!(r#"{{"max_request_body_bytes":{limit}}}"#);
+        for round in 0..150 {
+            // Pieces of 0 to 24, 0 to 120 or 0 to 400 bytes, ending with the stream or in an
+            // empty chunk of its own.
+            let longest = [24, 120, 400][round % 3];
+            let mut chunks: Vec<&[u8]> = Vec::new();
+            let mut at = 0;
+            while at < stream.len() {
+                let end = (at + next(longest + 1)).min(stream.len());
+                chunks.push(&stream[at..end]);
+                at = end;
+            }
+            if round % 2 == 0 {
+                chunks.push(b"");
+            }
+            let (mut s, held) = streaming_responses(&config);
+            let out = client_gets(&mut s, &chunks, limit);
+            let case = || {
+                let sizes: Vec<usize> = chunks.iter().map(|chunk| chunk.len()).collect();
+                format!("limit {limit}, chunks of {sizes:?}")
+            };
+            if out == merged {
+                merges += 1;
+            } else {
+                assert_eq!(
+                    String::from_utf8_lossy(&out),
+                    RESPONSES_STREAM,
+                    "{}",
+                    case()
+                );
+                given_up += 1;
+            }
+            assert_eq!(held.held(), 0, "{}", case());
+            if limit > stream.len() {
+                assert_eq!(out, merged, "{}", case());
+            }
+        }
+    }
+    assert!(
+        merges > 0 && given_up > 0,
+        "{merges} merged, {given_up} given up"
+    );
+}
