@@ -19,6 +19,13 @@
 //! whose context the SDK holds borrowed) the call waits in a per-worker shared queue for the
 //! root's next turn, as KV releases do. A call is never sent in a request's own context:
 //! where the queue cannot take it, the root runs it at once the same way.
+//!
+//! So a request may be resumed while one of its own request callbacks still runs: Envoy
+//! refuses a prefill call at once (no healthy host, a full pool, no such cluster) and
+//! `decode_only` sends the body to decode. The host's `continue_stream` would then resume the
+//! stream before Envoy has taken the chunk in hand: a body that came in one frame with the
+//! stream's end (HTTP/2) would go to decode as headers alone, or never. There the callback's
+//! own answer resumes it instead ([`Request::resume_on_return`]).
 
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
@@ -105,6 +112,10 @@ struct Request {
     context_id: u32,
     session: RefCell<Session>,
     alive: Cell<bool>,
+    /// One of the request's own request callbacks (headers, body, trailers) is running.
+    in_request_callback: Cell<bool>,
+    /// The stream was resumed during that callback: its answer to Envoy is `Continue`.
+    resume_on_return: Cell<bool>,
 }
 
 /// Which context a callback runs in: the root must make the request's stream the effective
@@ -150,9 +161,11 @@ fn as_pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
         .collect()
 }
 
-/// The callback's answer to Envoy. A step may both resume the stream (or reply) and pause:
-/// Envoy carries out `continue_stream` and `send_local_response` once the callback has
-/// returned, so the pause only stops Envoy from going on by itself in between.
+/// The callback's answer to Envoy. A step may both reply and pause: Envoy carries out
+/// `send_local_response` once the callback has returned, so the pause only stops Envoy from
+/// going on by itself in between. A resume in a request callback is its answer instead
+/// ([`PdRequest::request_callback`]); a resume in another (a response callback, the root's)
+/// is the host's `continue_stream`.
 fn action(flow: Flow) -> Action {
     match flow {
         Flow::Continue => Action::Continue,
@@ -592,6 +605,11 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
             let now = host::now().unwrap_or(UNIX_EPOCH);
             return session.borrow_mut().on_request_body_reread(body, now);
         }
+        // Envoy would resume the stream before it has buffered the chunk its callback holds:
+        // the callback answers `Continue` instead, with the body as the commands left it.
+        Command::ResumeRequest if request.in_request_callback.get() => {
+            request.resume_on_return.set(true);
+        }
         Command::ResumeRequest => {
             if let Err(status) = host::resume_request() {
                 log::error!(
@@ -761,6 +779,8 @@ impl RootContext for PdRoot {
                         .with_abandoned_prefills(self.abandoned.clone()),
                 ),
                 alive: Cell::new(true),
+                in_request_callback: Cell::new(false),
+                resume_on_return: Cell::new(false),
             }),
             worker: self.worker.clone(),
         }))
@@ -842,69 +862,19 @@ impl Context for PdRequest {
 }
 
 impl HttpContext for PdRequest {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        if let Err(status) = host::set_property(FILTER_RAN_FILTER_STATE, b"yes") {
-            log::warn!("could not mark the request as seen by pd-filter: status {status}");
-        }
-        // One host call for all headers rather than one per header.
-        let headers = match host::header_map(MapType::HttpRequestHeaders) {
-            Ok(headers) => headers,
-            // Read as none, they would let an orchestrated path through as any other.
-            Err(status) => {
-                log::debug!("get_header_map_pairs(HttpRequestHeaders): {status:?}");
-                let step = self.host_failed(HostFailure::ReadRequestHeaders);
-                return self.run(step);
-            }
-        };
-        let step = {
-            let mut session = self.request.session.borrow_mut();
-            let step = session.on_request_headers(&headers, end_of_stream);
-            if session.wants_client_address() {
-                let address = host::property(&["source", "address"]).ok();
-                session
-                    .on_client_address(address.as_deref())
-                    .unwrap_or(step)
-            } else {
-                step
-            }
-        };
-        let holds_for_body = self.request.session.borrow().headers_held_for_body();
-        if holds_for_body && self.worker.held_headers.borrow().watching() {
-            let now = host::now().unwrap_or(UNIX_EPOCH);
-            if self.worker.held_headers.borrow_mut().headers_held(now) {
-                log::error!(
-                    "requests whose headers pd-filter held have come for {} s and none has had \
-                     its body. If every orchestrated request hangs: Envoy gives a held request \
-                     its body only when the wasm filter sets \
-                     allow_on_headers_stop_iteration: true, which hold_request_headers and \
-                     model_header need (Istio's WasmPlugin cannot set it: leave both off \
-                     there); until then such requests wait for their timeouts. Clients that \
-                     hold back their bodies look the same until one body comes",
-                    NO_BODY_WARNING_AFTER.as_secs()
-                );
-            }
-        }
-        self.run(step)
+    fn on_http_request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+        self.request_callback(|this| this.request_headers(num_headers, end_of_stream))
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        // Only a held request's body says that holding works: others get theirs regardless.
-        if self.worker.held_headers.borrow().watching()
-            && self.request.session.borrow().headers_held_for_body()
-        {
-            self.worker.held_headers.borrow_mut().body_arrived();
-        }
-        let step = self
-            .request
-            .session
-            .borrow_mut()
-            .on_request_body(body_size, end_of_stream);
-        self.run_body_step(step)
+        self.request_callback(|this| this.request_body(body_size, end_of_stream))
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
-        let step = self.request.session.borrow_mut().on_request_trailers();
-        self.run_body_step(step)
+        self.request_callback(|this| {
+            let step = this.request.session.borrow_mut().on_request_trailers();
+            this.run_body_step(step)
+        })
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
@@ -966,6 +936,80 @@ impl HttpContext for PdRequest {
 }
 
 impl PdRequest {
+    /// Runs one of the request's own request callbacks. A resume asked for while it runs
+    /// (prefill refused at once, and decode gets the body without it) is its answer to
+    /// Envoy, `Continue`: the host's `continue_stream` there would resume the stream before
+    /// Envoy has buffered the chunk in hand, which then never reaches decode.
+    fn request_callback(&mut self, callback: impl FnOnce(&mut Self) -> Action) -> Action {
+        let was_in_callback = self.request.in_request_callback.replace(true);
+        let action = callback(self);
+        self.request.in_request_callback.set(was_in_callback);
+        if !was_in_callback && self.request.resume_on_return.take() {
+            return Action::Continue;
+        }
+        action
+    }
+
+    fn request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if let Err(status) = host::set_property(FILTER_RAN_FILTER_STATE, b"yes") {
+            log::warn!("could not mark the request as seen by pd-filter: status {status}");
+        }
+        // One host call for all headers rather than one per header.
+        let headers = match host::header_map(MapType::HttpRequestHeaders) {
+            Ok(headers) => headers,
+            // Read as none, they would let an orchestrated path through as any other.
+            Err(status) => {
+                log::debug!("get_header_map_pairs(HttpRequestHeaders): {status:?}");
+                let step = self.host_failed(HostFailure::ReadRequestHeaders);
+                return self.run(step);
+            }
+        };
+        let step = {
+            let mut session = self.request.session.borrow_mut();
+            let step = session.on_request_headers(&headers, end_of_stream);
+            if session.wants_client_address() {
+                let address = host::property(&["source", "address"]).ok();
+                session
+                    .on_client_address(address.as_deref())
+                    .unwrap_or(step)
+            } else {
+                step
+            }
+        };
+        let holds_for_body = self.request.session.borrow().headers_held_for_body();
+        if holds_for_body && self.worker.held_headers.borrow().watching() {
+            let now = host::now().unwrap_or(UNIX_EPOCH);
+            if self.worker.held_headers.borrow_mut().headers_held(now) {
+                log::error!(
+                    "requests whose headers pd-filter held have come for {} s and none has had \
+                     its body. If every orchestrated request hangs: Envoy gives a held request \
+                     its body only when the wasm filter sets \
+                     allow_on_headers_stop_iteration: true, which hold_request_headers and \
+                     model_header need (Istio's WasmPlugin cannot set it: leave both off \
+                     there); until then such requests wait for their timeouts. Clients that \
+                     hold back their bodies look the same until one body comes",
+                    NO_BODY_WARNING_AFTER.as_secs()
+                );
+            }
+        }
+        self.run(step)
+    }
+
+    fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // Only a held request's body says that holding works: others get theirs regardless.
+        if self.worker.held_headers.borrow().watching()
+            && self.request.session.borrow().headers_held_for_body()
+        {
+            self.worker.held_headers.borrow_mut().body_arrived();
+        }
+        let step = self
+            .request
+            .session
+            .borrow_mut()
+            .on_request_body(body_size, end_of_stream);
+        self.run_body_step(step)
+    }
+
     fn run_body_step(&mut self, step: BodyStep) -> Action {
         let clock = Clock::default();
         match step {

@@ -5,14 +5,17 @@
 //! callback, and that no VM was reloaded.
 
 mod common;
+#[path = "common/raw_http.rs"]
+mod raw_http;
 
 use std::time::{Duration, Instant};
 
 use common::{
     answer_text, assert_error_without_decode, assert_filter_healthy, assert_legs,
     assert_prefill_got, assert_recomputed, assert_refused, assert_served, expected_decode_text,
-    harness, unique_id, Request,
+    harness, members_of, unique_id, Request,
 };
+use raw_http::{h2_connect, h2_exchange, H2Outcome, H2Request};
 use serde_json::json;
 
 const COMPLETIONS: &str = "/v1/completions";
@@ -260,6 +263,196 @@ async fn an_unknown_prefill_cluster_is_503_naming_it_and_the_listener_keeps_work
         assert!(h.prefill_requests(&id).is_empty());
     }
     assert_listener_still_answers("unknown_cluster", "[]").await;
+}
+
+// ----------------------------------------------------------------------------------------
+// Prefill refused at once: a cluster without endpoints
+
+/// How a test client sends its body.
+#[derive(Clone, Copy, Debug)]
+enum Upload {
+    /// In one piece, with a `content-length`.
+    Whole,
+    /// Chunked, in pieces of this many bytes, each after a pause: the filter gets them in
+    /// several body callbacks, the last of which sends the prefill call.
+    Trickled(usize),
+    /// Over HTTP/2 in this many DATA frames, the last with END_STREAM. Unlike HTTP/1.1 (whose
+    /// codec ends every body with an empty frame of its own), the last body callback holds
+    /// the body's last bytes.
+    H2(usize),
+    /// Over HTTP/2 in three DATA frames, then trailers: the trailers' callback sends it.
+    H2Trailers,
+}
+
+/// A completions or chat request for `prompt`.
+fn request_for(path: &str, prompt: &str) -> serde_json::Value {
+    if path == COMPLETIONS {
+        json!({"prompt": prompt, "max_tokens": 3})
+    } else {
+        json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 3})
+    }
+}
+
+/// What a client got: status, `x-mock-kv`, body; or what became of the exchange.
+type Got = Result<(u16, Option<String>, String), String>;
+
+/// POSTs `body` to `path` on `listener` with `x-request-id: id`, as `upload` says, giving
+/// the exchange 10 s.
+async fn post_as(listener: &str, path: &str, id: &str, body: &str, upload: Upload) -> Got {
+    const PATIENCE: Duration = Duration::from_secs(10);
+    let request = Request::post(listener, path).id(id).timeout(PATIENCE);
+    let request = match upload {
+        Upload::Whole => request.body(body),
+        Upload::Trickled(size) => request.trickled(body, size, Duration::from_millis(30)),
+        Upload::H2(_) | Upload::H2Trailers => {
+            let (frames, trailers) = match upload {
+                Upload::H2(frames) => (frames, vec![]),
+                _ => (3, vec![("x-trailer".to_owned(), "end".to_owned())]),
+            };
+            let sender = h2_connect(harness().port(listener)).await?;
+            let size = body.len().div_ceil(frames);
+            let request = H2Request {
+                method: "POST".to_owned(),
+                path: path.to_owned(),
+                headers: vec![
+                    ("content-type".to_owned(), "application/json".to_owned()),
+                    ("x-request-id".to_owned(), id.to_owned()),
+                ],
+                data: body.as_bytes().chunks(size).map(<[u8]>::to_vec).collect(),
+                trailers,
+                reset_after: None,
+            };
+            return match h2_exchange(&sender, request, PATIENCE).await {
+                H2Outcome::Response(response) => {
+                    let kv = response.header("x-mock-kv").map(str::to_owned);
+                    Ok((response.status, kv, response.text()))
+                }
+                other => Err(format!("{other:?}")),
+            };
+        }
+    };
+    let reply = request.try_send().await?;
+    let kv = reply.header("x-mock-kv").map(str::to_owned);
+    Ok((reply.status, kv, reply.body))
+}
+
+/// Served by decode alone: 200 from a decode that recomputed the prompt, and decode got the
+/// client's body once, whole, without any `kv_transfer_params` (the client's bytes as sent
+/// when it had none).
+fn check_recomputed(id: &str, client: &str, got: Got) -> Result<(), String> {
+    let decoded = harness().decode_requests(id);
+    let bodies: Vec<String> = decoded
+        .iter()
+        .map(|request| String::from_utf8_lossy(&request.body).into_owned())
+        .collect();
+    let seen = format!("client got {got:?}; decode got {bodies:?}");
+    let (status, kv, _) = got.as_ref().map_err(|_| seen.clone())?;
+    if *status != 200 || kv.as_deref() != Some("recomputed") || bodies.len() != 1 {
+        return Err(seen);
+    }
+    let expected: Vec<(String, String)> = members_of(client.as_bytes())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(key, _)| key != "kv_transfer_params")
+        .collect();
+    let whole = if client.contains("kv_transfer_params") {
+        members_of(&decoded[0].body) == Some(expected)
+    } else {
+        bodies[0] == client
+    };
+    if !whole {
+        return Err(format!("decode did not get the client's body: {seen}"));
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_prefill_refused_at_once_falls_back_to_decode_with_the_whole_body() {
+    // Envoy refuses a call to a cluster without endpoints at once: the fallback to decode is
+    // decided inside the request's own body (or trailers) callback, not the root's. Resumed
+    // there with the host's continue_stream, an HTTP/2 body in one DATA frame went to decode
+    // as headers alone (content-length 0) with the headers held, and never with them passed
+    // on (the client waited until its timeout).
+    let h = harness();
+    let before = h.counter("pd_filter_decode_only_fallbacks");
+    let mut cases = 0;
+    let mut failures = Vec::new();
+    for listener in ["no_hosts_held", "no_hosts_passed"] {
+        for (path, upload) in [
+            (COMPLETIONS, Upload::Whole),
+            ("/v1/chat/completions", Upload::Whole),
+            (COMPLETIONS, Upload::Trickled(16)),
+            ("/v1/chat/completions", Upload::Trickled(16)),
+            (COMPLETIONS, Upload::H2(1)),
+            ("/v1/chat/completions", Upload::H2(1)),
+            (COMPLETIONS, Upload::H2(3)),
+            ("/v1/chat/completions", Upload::H2(3)),
+            (COMPLETIONS, Upload::H2Trailers),
+        ] {
+            for client_kv in [false, true] {
+                let id = unique_id("no-hosts");
+                let prompt = format!("{id} decode alone");
+                let mut body = request_for(path, &prompt);
+                if client_kv {
+                    // The client's own, which the fallback drops.
+                    body["kv_transfer_params"] = json!({"remote_host": "6.6.6.6"});
+                }
+                let body = body.to_string();
+                let got = post_as(listener, path, &id, &body, upload).await;
+                cases += 1;
+                if let Err(error) = check_recomputed(&id, &body, got) {
+                    failures.push(format!(
+                        "{listener} {path} {upload:?} client kv {client_kv}: {error}"
+                    ));
+                }
+                if !h.prefill_requests(&id).is_empty() {
+                    failures.push(format!("{listener} {path}: prefill was called"));
+                }
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {cases} cases failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    let fallbacks = h.counter("pd_filter_decode_only_fallbacks") - before;
+    assert!(fallbacks >= cases as u64, "{fallbacks} fallbacks counted");
+    assert_filter_healthy();
+}
+
+#[tokio::test]
+async fn a_prefill_refused_at_once_is_503_under_the_default_policy() {
+    let h = harness();
+    for (path, upload) in [
+        (COMPLETIONS, Upload::Whole),
+        ("/v1/chat/completions", Upload::Whole),
+        (COMPLETIONS, Upload::Trickled(16)),
+        (COMPLETIONS, Upload::H2(1)),
+        (COMPLETIONS, Upload::H2(3)),
+        (COMPLETIONS, Upload::H2Trailers),
+    ] {
+        let id = unique_id("no-hosts-fail");
+        let body = request_for(path, &format!("{id} refused")).to_string();
+        let got = post_as("no_hosts_fail", path, &id, &body, upload).await;
+        let Ok((status, _, text)) = got else {
+            panic!("{path} {upload:?}: {got:?}");
+        };
+        assert_eq!(status, 503, "{path} {upload:?}: {text}");
+        let error: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        let message = error["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("\"prefill_no_hosts\""),
+            "{path} {upload:?}: {text}"
+        );
+        assert_eq!(error["error"]["code"], 503, "{text}");
+        assert!(
+            h.decode_requests(&id).is_empty(),
+            "{path} {upload:?}: decode was called"
+        );
+    }
+    assert_listener_still_answers("no_hosts_fail", "[]").await;
 }
 
 // ----------------------------------------------------------------------------------------

@@ -152,6 +152,22 @@ pub const LISTENERS: &[Listener] = &[
     // Only chat orchestrated: vLLM's other generation paths are stripped paths, and the mock
     // decode records what reaches them.
     plain("stripping", r#"{"paths":["/v1/chat/completions"]}"#),
+    // Prefill's cluster has no endpoints: Envoy refuses every callout at once, inside the
+    // request's own callback, where the closed port of `decode_only` fails later, in the
+    // root's. Decode recomputes, the headers held (as shipped) or passed at once (as under
+    // Istio); and the default policy answers the client (tests/reliability.rs).
+    Listener {
+        allow_on_headers_stop_iteration: true,
+        ..plain(
+            "no_hosts_held",
+            r#"{"prefill_cluster":"prefill_no_hosts","on_prefill_failure":"decode_only","hold_request_headers":true}"#,
+        )
+    },
+    plain(
+        "no_hosts_passed",
+        r#"{"prefill_cluster":"prefill_no_hosts","on_prefill_failure":"decode_only"}"#,
+    ),
+    plain("no_hosts_fail", r#"{"prefill_cluster":"prefill_no_hosts"}"#),
     // Decode cannot be reached; KV releases still go to the `decode` cluster.
     Listener {
         decode_route: DecodeRoute::Unreachable,
@@ -676,6 +692,7 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         cluster_yaml("prefill_b", "127.0.0.2", ports.prefill_b),
         cluster_yaml("decode_b", "127.0.0.1", ports.decode_b),
         cluster_yaml("prefill_unreachable", "127.0.0.1", ports.closed),
+        empty_cluster_yaml("prefill_no_hosts"),
         cluster_yaml("decode_blackhole", "127.0.0.1", ports.blackhole),
         cluster_yaml("decode_deaf", "127.0.0.1", ports.deaf),
         cluster_yaml("decode_held", "127.0.0.1", ports.decode),
@@ -713,6 +730,19 @@ fn cluster_yaml(name: &str, address: &str, port: u16) -> String {
         - endpoint:
             address:
               socket_address: {{ address: {address}, port_value: {port} }}
+"#
+    )
+}
+
+/// A cluster without endpoints: Envoy refuses every call to it at once (no healthy host).
+fn empty_cluster_yaml(name: &str) -> String {
+    format!(
+        r#"  - name: {name}
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: {name}
+      endpoints: []
 "#
     )
 }

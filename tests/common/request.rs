@@ -101,6 +101,24 @@ impl Request {
         self
     }
 
+    /// Like [`Request::chunked`], with `pause` before each piece after the first, so that
+    /// Envoy reads (and the filter gets) each piece on its own.
+    pub fn trickled(mut self, body: impl AsRef<[u8]>, size: usize, pause: Duration) -> Request {
+        let pieces: Vec<Vec<u8>> = body.as_ref().chunks(size).map(<[u8]>::to_vec).collect();
+        let stream = futures_util::stream::unfold(
+            (pieces.into_iter(), true),
+            move |(mut pieces, first)| async move {
+                let piece = pieces.next()?;
+                if !first {
+                    tokio::time::sleep(pause).await;
+                }
+                Some((Ok::<_, std::io::Error>(piece), (pieces, false)))
+            },
+        );
+        self.body = Some(reqwest::Body::wrap_stream(stream));
+        self
+    }
+
     /// Announces `content-length: length` but sends only `start`, then nothing more: the
     /// request never completes, for tests of a client that goes away mid-body.
     pub fn unfinished_body(mut self, start: impl Into<Vec<u8>>, length: usize) -> Request {
