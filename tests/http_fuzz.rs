@@ -214,6 +214,10 @@ const LISTENER_WEIGHTS: &[(usize, &str)] = &[
     (14, "models"),
     (14, "scheduled"),
     (10, "decode_only"),
+    // Envoy refuses the prefill call at once: decode_only resumes from the request's own
+    // callback.
+    (5, "no_hosts_held"),
+    (5, "no_hosts_passed"),
     (12, "tight_buffer"),
     (5, "unreachable"),
     (5, "unknown_cluster"),
@@ -1306,6 +1310,8 @@ async fn random_http_requests_never_crash_envoy_skip_prefill_or_hang() {
             "models",
             "scheduled",
             "decode_only",
+            "no_hosts_held",
+            "no_hosts_passed",
             "tight_buffer",
         ] {
             let id = format!("pdfuzz-{seed}-final-{listener}");
