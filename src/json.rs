@@ -685,6 +685,9 @@ impl<'a> Scanner<'a> {
                 Some(b't') => self.literal(b"true")?,
                 Some(b'f') => self.literal(b"false")?,
                 Some(b'n') => self.literal(b"null")?,
+                // Python's json module (so vLLM) reads and Python clients write them.
+                Some(b'N') => self.literal(b"NaN")?,
+                Some(b'I') => self.literal(b"Infinity")?,
                 _ => return Err(self.error("expected a value")),
             }
             // A value is complete: close what it completes, stop at the next separator.
@@ -807,10 +810,13 @@ impl<'a> Scanner<'a> {
         self.pos - start
     }
 
-    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`
+    /// `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`, or `-Infinity`.
     fn number(&mut self) -> Result<(), JsonError> {
         if self.peek() == Some(b'-') {
             self.pos += 1;
+            if self.peek() == Some(b'I') {
+                return self.literal(b"Infinity");
+            }
         }
         match self.peek() {
             Some(b'0') => self.pos += 1,
@@ -857,10 +863,10 @@ mod tests {
 
     #[test]
     fn accepts_objects_of_every_value_kind() {
-        let text = br#" {"a":1,"b":-0.5e+10,"c":"x\"y\u00e9\n","d":[true,false,null,[],{}],"e":{"f":{"g":[1,[2,[3]]]}},"\u0041":0} "#;
+        let text = br#" {"a":1,"b":-0.5e+10,"c":"x\"y\u00e9\n","d":[true,false,null,[],{}],"e":{"f":{"g":[1,[2,[3]]]}},"\u0041":0,"h":[NaN,Infinity,-Infinity]} "#;
         let object = JsonObject::parse(text).unwrap();
         let keys: Vec<&str> = object.members.iter().map(|m| m.key.as_ref()).collect();
-        assert_eq!(keys, ["a", "b", "c", "d", "e", "A"]);
+        assert_eq!(keys, ["a", "b", "c", "d", "e", "A", "h"]);
         let value = &object.members[3].value;
         assert_eq!(&text[value.clone()], b"[true,false,null,[],{}]");
         assert_eq!(text[object.open_brace], b'{');
@@ -895,6 +901,13 @@ mod tests {
             b"{\"a\":[}",
             b"{\"a\":{]}",
             b"{'a':1}",
+            // Python's json reads these three spellings only, and never as keys.
+            b"{\"a\":nan}",
+            b"{\"a\":-NaN}",
+            b"{\"a\":Inf}",
+            b"{\"a\":+Infinity}",
+            b"{\"a\":infinity}",
+            b"{NaN:1}",
         ] {
             assert!(!valid(text), "{}", String::from_utf8_lossy(text));
         }

@@ -362,3 +362,28 @@ async fn other_methods_and_paths_pass_through_untouched() {
     assert_eq!(reply.status, 404, "{}", reply.body);
     assert!(h.prefill_requests(&id).is_empty());
 }
+
+/// Python clients write a float's infinities and NaN as `-Infinity`, `Infinity` and `NaN`
+/// (`json.dumps`' default), a token banned with `logit_bias` at `-inf` say, and vLLM's
+/// `json.loads` reads them: both legs get them as the client wrote them.
+#[tokio::test]
+async fn python_infinities_and_nan_reach_both_legs_as_written() {
+    let h = harness();
+    let id = unique_id("python-floats");
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"logit_bias":{"50256":-Infinity,"11":Infinity},"x_score":NaN}"#;
+    let reply = Request::post("default", CHAT)
+        .id(&id)
+        .body(body)
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{}", reply.body);
+    let written = r#""logit_bias":{"50256":-Infinity,"11":Infinity},"x_score":NaN"#;
+    let prefill = h.only_prefill(&id);
+    assert!(String::from_utf8_lossy(&prefill.body).contains(written));
+    assert_eq!(prefill.json()["max_tokens"], 1);
+    let decode = h.only_decode(&id);
+    assert!(String::from_utf8_lossy(&decode.body).contains(written));
+    assert_eq!(decode.json()["max_tokens"], 4);
+    assert!(decode.json()["kv_transfer_params"].is_object());
+}

@@ -313,6 +313,9 @@ proptest! {
                 bytes[at] = byte;
             }
         }
+        // The scanner also reads Python's NaN and infinities, which serde_json does not.
+        let python_only = |word: &[u8]| bytes.windows(word.len()).any(|w| w == word);
+        prop_assume!(!python_only(b"NaN") && !python_only(b"Infinity"));
         let is_object = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
         let expected = is_object
             && std::str::from_utf8(&bytes).is_ok()

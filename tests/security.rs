@@ -1014,19 +1014,41 @@ async fn a_stripped_path_never_passes_on_a_body_the_filter_cannot_read() {
         assert_decode_never_got_client_kv(&id);
         assert!(prefilled(&id).is_empty());
     }));
-    // Bodies Python's json.loads (vLLM's parser) reads as an object carrying the client's
-    // kv_transfer_params, but which are not JSON to the filter: refused, never passed on.
     let text = |extra: &str| {
         format!(
             r#"{{"messages":[{{"role":"user","content":"hi"}}],"max_tokens":3{extra},"kv_transfer_params":{CLIENT_KV}}}"#
         )
     };
-    let utf16: Vec<u8> = text("").encode_utf16().flat_map(u16::to_le_bytes).collect();
-    for (name, body) in [
-        ("NaN", text(r#","x":NaN"#).into_bytes()),
-        ("-Infinity", text(r#","x":-Infinity"#).into_bytes()),
-        ("UTF-16", utf16),
+    // Python's json.loads (vLLM's parser) reads NaN and the infinities, and so does the
+    // filter: their kv_transfer_params are found and removed.
+    for (name, extra) in [
+        ("NaN", r#","x":NaN"#),
+        ("-Infinity", r#","x":[-Infinity,Infinity]"#),
     ] {
+        let body = text(extra);
+        cases.push(case(name, async move {
+            let id = unique_id("strip-nan");
+            let reply = post_json("stripping", "/v1/messages", &id, body).await;
+            assert_envoy_alive();
+            assert_eq!(
+                decoded(&id).len(),
+                1,
+                "{name}: {} {}",
+                reply.status,
+                reply.body
+            );
+            assert_decode_never_got_client_kv(&id);
+            assert!(
+                String::from_utf8_lossy(&decoded(&id)[0].body).contains(&extra[1..]),
+                "{name}: the rest of the body as sent"
+            );
+        }));
+    }
+    // Bodies Python's json.loads reads as an object carrying the client's
+    // kv_transfer_params, but which are not JSON to the filter: refused, never passed on.
+    let utf16: Vec<u8> = text("").encode_utf16().flat_map(u16::to_le_bytes).collect();
+    {
+        let (name, body) = ("UTF-16", utf16);
         cases.push(case(name, async move {
             let id = unique_id("strip-unreadable");
             let reply = post_json("stripping", "/v1/messages", &id, body).await;

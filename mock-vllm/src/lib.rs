@@ -72,9 +72,10 @@ impl RecordedRequest {
             .map(|(_, v)| v.as_str())
     }
 
-    /// The body parsed as JSON, `Value::Null` if it is not JSON.
+    /// The body parsed as JSON (Python's `NaN` and infinities as `null`), `Value::Null` if it
+    /// is not JSON.
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+        serde_json::from_slice(&proto::without_python_numbers(&self.body)).unwrap_or(Value::Null)
     }
 }
 
@@ -461,7 +462,8 @@ async fn inference(
         // still tells prefill (vLLM's abort path), so the KV counts as read from here.
         // Its own task: a request whose connection closes now (the client left) has still
         // been received, and its KV still read.
-        let request: Value = serde_json::from_slice(&body).unwrap_or_default();
+        let request: Value =
+            serde_json::from_slice(&proto::without_python_numbers(&body)).unwrap_or_default();
         let kv = request.get("kv_transfer_params").cloned();
         let _ = tokio::spawn(async move { read_remote_kv(kv.as_ref()).await }).await;
     }

@@ -78,8 +78,8 @@ impl Parsed {
 }
 
 pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
-    let value: Value =
-        serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))?;
+    let value: Value = serde_json::from_slice(&without_python_numbers(body))
+        .map_err(|e| format!("request body is not valid JSON: {e}"))?;
     let obj = value
         .as_object()
         .ok_or("request body must be a JSON object")?;
@@ -172,6 +172,36 @@ fn stream_flags(obj: &Map<String, Value>) -> Result<(bool, bool), String> {
         .and_then(Value::as_bool)
         .unwrap_or(false);
     Ok((stream, include_usage))
+}
+
+/// `body` with Python's `NaN`, `Infinity` and `-Infinity` (which vLLM's `json.loads` reads)
+/// outside strings written as `null`, for serde_json, which does not read them.
+pub(crate) fn without_python_numbers(body: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    const WORDS: [&[u8]; 3] = [b"-Infinity", b"Infinity", b"NaN"];
+    if !WORDS
+        .iter()
+        .any(|word| body.windows(word.len()).any(|w| w == *word))
+    {
+        return std::borrow::Cow::Borrowed(body);
+    }
+    let mut out = Vec::with_capacity(body.len());
+    let (mut in_string, mut escaped, mut at) = (false, false, 0);
+    while at < body.len() {
+        let byte = body[at];
+        if in_string {
+            in_string = escaped || byte != b'"';
+            escaped = !escaped && byte == b'\\';
+        } else if byte == b'"' {
+            in_string = true;
+        } else if let Some(word) = WORDS.iter().find(|word| body[at..].starts_with(word)) {
+            out.extend_from_slice(b"null");
+            at += word.len();
+            continue;
+        }
+        out.push(byte);
+        at += 1;
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// An optional integer member of `obj`, read as pydantic reads an int in its lax mode: a

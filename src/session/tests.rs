@@ -1204,15 +1204,31 @@ fn other_generation_apis_lose_client_kv_transfer_params() {
 
 #[test]
 fn other_generation_apis_refuse_a_body_the_filter_cannot_read() {
-    // vLLM's json.loads reads NaN; passed on untouched, the client's kv_transfer_params
+    // vLLM's json.loads reads UTF-16; passed on untouched, the client's kv_transfer_params
     // would reach decode.
+    let mut s = session("");
+    s.on_request_headers(&post("/invocations"), false);
+    let text = r#"{"x":1,"kv_transfer_params":{"remote_host":"6.6.6.6"}}"#;
+    let body: Vec<u8> = text.encode_utf16().flat_map(u16::to_le_bytes).collect();
+    let step = s.on_request_complete(body, at(0));
+    assert_eq!(step.flow, Flow::Pause);
+    assert_eq!(reply(&step.commands).0, 400);
+    assert!(!step
+        .commands
+        .iter()
+        .any(|c| matches!(c, Command::ReplaceRequestBody { .. })));
+    // NaN it reads as vLLM does: the client's kv_transfer_params go.
     let mut s = session("");
     s.on_request_headers(&post("/invocations"), false);
     let body = r#"{"x":NaN,"kv_transfer_params":{"remote_host":"6.6.6.6"}}"#;
     let step = s.on_request_complete(body.as_bytes().to_vec(), at(0));
-    assert_eq!(step.flow, Flow::Pause);
-    assert_eq!(reply(&step.commands).0, 400);
-    assert_eq!(replaced_body(body, &step.commands), None);
+    assert_eq!(step.flow, Flow::Continue);
+    let written = step.commands.iter().find_map(|c| match c {
+        Command::ReplaceRequestBody { body, .. } => Some(String::from_utf8_lossy(body)),
+        _ => None,
+    });
+    let written = written.expect("the body written without the client's kv_transfer_params");
+    assert!(!written.contains("kv_transfer_params"), "{written}");
 }
 
 #[test]
