@@ -1059,14 +1059,15 @@ fn h2_request(rng: &mut Rng, env: &Env, case: u64, alone: bool) -> (H2Request, S
     } else {
         None
     };
+    let frame_sizes: Vec<usize> = data.iter().map(Vec::len).collect();
+    let trailer_names: Vec<&str> = trailers.iter().map(|(name, _)| name.as_str()).collect();
     let description = format!(
-        "h2 {method:?} {path:?} [{}] {} DATA frames{}{} body {}B {:?}",
+        "h2 {method:?} {path:?} [{}] DATA frames of {frame_sizes:?}{}{} body {}B {:?}",
         header_names(&headers),
-        data.len(),
         if trailers.is_empty() {
-            ""
+            String::new()
         } else {
-            ", trailers"
+            format!(", trailers {trailer_names:?}")
         },
         if reset_after.is_some() {
             ", RST_STREAM"
@@ -1074,7 +1075,7 @@ fn h2_request(rng: &mut Rng, env: &Env, case: u64, alone: bool) -> (H2Request, S
             ""
         },
         body.len(),
-        preview(&body, 160)
+        preview(&body, 4096)
     );
     let request = H2Request {
         method,

@@ -346,6 +346,25 @@ async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
         reply.body
     );
     assert_released_once(&id).await;
+
+    // A limit past the model's context, on a stream with several choices: decode refuses it
+    // at once rather than generating for minutes.
+    let id = unique_id("decode-refuses-limit");
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "too long"}],
+                      "max_tokens": 1_000_000, "n": 2, "stream": true})
+    .to_string();
+    let reply = Request::post("default", "/v1/chat/completions")
+        .id(&id)
+        .body(body)
+        .send()
+        .await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(
+        reply.body.contains("maximum context length"),
+        "decode's own error: {}",
+        reply.body
+    );
+    assert_released_once(&id).await;
 }
 
 #[tokio::test]

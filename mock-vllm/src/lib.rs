@@ -274,7 +274,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> io::Result<Respo
             StatusCode::OK,
             &json!({"object": "list", "data": [{"id": "mock-model", "object": "model",
                 "created": now(), "owned_by": "mock-vllm", "root": "mock-model",
-                "parent": null, "max_model_len": 4096}]}),
+                "parent": null, "max_model_len": proto::MAX_MODEL_LEN}]}),
         ),
         "/mock/kv" => json_response(StatusCode::OK, &serde_json::to_value(shared.kv_ledger())?),
         "/mock/requests" => {

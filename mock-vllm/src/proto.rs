@@ -4,6 +4,8 @@ use serde_json::{json, Map, Value};
 
 /// Words generated at most per choice, so a huge limit cannot exhaust memory.
 const MAX_GENERATED: u64 = 8192;
+/// The context length `/v1/models` reports.
+pub(crate) const MAX_MODEL_LEN: u64 = 131_072;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Endpoint {
@@ -50,9 +52,14 @@ pub(crate) struct Parsed {
     pub request_id: Option<String>,
 }
 
+/// The prompt's length in the mock's tokens: its words, at least one.
+fn word_tokens(prompt: &str) -> u64 {
+    (prompt.split_whitespace().count() as u64).max(1)
+}
+
 impl Parsed {
     pub(crate) fn prompt_tokens(&self) -> u64 {
-        (self.prompt.split_whitespace().count() as u64).max(1)
+        word_tokens(&self.prompt)
     }
 
     /// vLLM's `prompt_logprobs` for the prompt: none for the first token, then each token's
@@ -133,6 +140,7 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         // Completions.
         _ => completion_prompt(obj)?,
     };
+    check_context(limit_name, limit, word_tokens(&prompt))?;
     Ok(Parsed {
         endpoint,
         stream,
@@ -230,6 +238,22 @@ fn int_field(obj: &Map<String, Value>, key: &str) -> Result<Option<i64>, String>
 fn check_limit(name: &str, limit: i64) -> Result<(), String> {
     if limit < 1 {
         return Err(format!("{name} must be at least 1, got {limit}."));
+    }
+    Ok(())
+}
+
+/// vLLM refuses a limit that does not fit in the context beside the prompt. (The mock takes
+/// prompts of any length: tests send long ones.)
+fn check_context(name: &str, limit: i64, prompt_tokens: u64) -> Result<(), String> {
+    let Some(room) = MAX_MODEL_LEN.checked_sub(prompt_tokens) else {
+        return Ok(());
+    };
+    if u64::try_from(limit).is_ok_and(|limit| limit > room) {
+        return Err(format!(
+            "'{name}' or 'max_completion_tokens' is too large: {limit}. This model's maximum \
+             context length is {MAX_MODEL_LEN} tokens and your request has {prompt_tokens} \
+             input tokens ({limit} > {MAX_MODEL_LEN} - {prompt_tokens})."
+        ));
     }
     Ok(())
 }
@@ -1038,6 +1062,27 @@ mod tests {
         assert_eq!(p.fingerprint(), "cbf29ce484222325"); // FNV-1a of ""
         let err = parse(Endpoint::Completions, br#"{"prompt":"a","max_tokens":0}"#).unwrap_err();
         assert_eq!(err, "max_tokens must be at least 1, got 0.");
+    }
+
+    #[test]
+    fn a_limit_past_the_context_is_refused_like_vllm() {
+        let fits = json!({"prompt": "two words", "max_tokens": MAX_MODEL_LEN - 2});
+        assert!(parse(Endpoint::Completions, fits.to_string().as_bytes()).is_ok());
+        let huge =
+            br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":99999999999999999999}"#;
+        let err = parse(Endpoint::Chat, huge).unwrap_err();
+        assert!(
+            err.starts_with("'max_tokens' or 'max_completion_tokens' is too large"),
+            "{err}"
+        );
+        let err = parse_err(
+            Endpoint::Responses,
+            json!({"input": "two words", "max_output_tokens": MAX_MODEL_LEN - 1}),
+        );
+        assert!(
+            err.contains(&format!("({} > {MAX_MODEL_LEN} - 2)", MAX_MODEL_LEN - 1)),
+            "{err}"
+        );
     }
 
     fn parse_err(endpoint: Endpoint, body: Value) -> String {
