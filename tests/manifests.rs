@@ -2637,6 +2637,33 @@ fn envoy_yaml_keeps_vllms_operator_endpoints_from_clients_in_envoy() {
     assert_eq!(reply.status, 200, "{}", reply.body);
 }
 
+/// envoy/envoy.yaml as shipped says why it refuses what it does not route (CONNECT) and
+/// protocol upgrades, which Envoy answers without any text of its own.
+#[test]
+fn envoy_yaml_says_why_it_refuses_connect_and_upgrades_in_envoy() {
+    let (_runtime, _prefill, decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-upgrade");
+    let connect = raw_exchange(
+        envoy.port,
+        b"CONNECT 127.0.0.1:9901 HTTP/1.1\r\nhost: 127.0.0.1:9901\r\nconnection: close\r\n\r\n",
+    );
+    let error = openai_error(&connect, 404).unwrap_or_else(|e| panic!("CONNECT: {e}"));
+    assert_eq!(error["type"], "route_not_found", "{error}");
+    let upgrade = raw_post(
+        envoy.port,
+        "/v1/completions",
+        &[
+            ("upgrade", "websocket"),
+            ("connection", "upgrade"),
+            ("sec-websocket-version", "13"),
+            ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ=="),
+        ],
+        COMPLETION_BODY,
+    );
+    let error = openai_error(&upgrade, 403).unwrap_or_else(|e| panic!("upgrade: {e}"));
+    assert_eq!(error["type"], "upgrade_failed", "{error}");
+    assert!(decode.requests().is_empty(), "{:?}", decode.requests());
+}
+
 /// envoy/envoy.yaml as shipped answers with its own 503 when decode cannot be reached, as
 /// OpenAI JSON with `retry-after: 1`, as the filter's own 503s.
 #[test]
