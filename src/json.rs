@@ -61,7 +61,8 @@ pub struct JsonObject<'a> {
 /// Validates `bytes` as a JSON document whose top level is an object and indexes its members.
 fn scan_object(bytes: &[u8]) -> Result<JsonObject<'_>, JsonError> {
     let mut scanner = Scanner { bytes, pos: 0 };
-    let mut members = Vec::new();
+    // Enough for an answer's or a usage object's members without growing.
+    let mut members = Vec::with_capacity(12);
     let open_brace = scanner.container(b'{', "expected a JSON object", |scanner| {
         let key = scanner.key()?;
         scanner.skip_whitespace();

@@ -189,7 +189,8 @@ fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>>
     let output = as_count(object.last_value(fields.output)?)?;
     let prompt_tokens = prompt.prompt_tokens.to_string();
     let total = prompt.prompt_tokens.saturating_add(output).to_string();
-    let mut values: Vec<(&str, &[u8])> = vec![(fields.prompt, prompt_tokens.as_bytes())];
+    let mut values: Vec<(&str, &[u8])> = Vec::with_capacity(3 + prompt.members.len());
+    values.push((fields.prompt, prompt_tokens.as_bytes()));
     if let Some(name) = fields.total {
         values.push((name, total.as_bytes()));
     }
@@ -217,7 +218,13 @@ fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>>
 
 /// A token count: a JSON integer that fits in 64 bits.
 fn as_count(value: &[u8]) -> Option<u64> {
-    std::str::from_utf8(value).ok()?.parse().ok()
+    if value.is_empty() {
+        return None;
+    }
+    value.iter().try_fold(0u64, |count, &byte| {
+        let digit = byte.checked_sub(b'0').filter(|digit| *digit <= 9)?;
+        count.checked_mul(10)?.checked_add(u64::from(digit))
+    })
 }
 
 /// `object`'s text with the last member of each key given the new value (the member JSON
@@ -271,8 +278,27 @@ fn replace_member(
         return None;
     }
     let replacement = rewrite(value)?;
-    let splice = parsed.splice_member(key, Edit::Slot);
-    Some(splice.write(object, &replacement))
+    let mut named = parsed.members().iter().filter(|member| member.key == key);
+    match (named.next(), named.next()) {
+        // The usual answer: one such member, its value replaced in place.
+        (Some(member), None) => {
+            let (before, after) = (
+                object.get(..member.value.start)?,
+                object.get(member.value.end..)?,
+            );
+            let mut out = Vec::with_capacity(before.len() + replacement.len() + after.len());
+            out.extend_from_slice(before);
+            out.extend_from_slice(&replacement);
+            out.extend_from_slice(after);
+            Some(out)
+        }
+        // Repeated: the splice also drops the copies a parser would not keep.
+        _ => Some(
+            parsed
+                .splice_member(key, Edit::Slot)
+                .write(object, &replacement),
+        ),
+    }
 }
 
 /// Decode's non-streamed answer with prefill's prompt counts; `None` when there is nothing
@@ -627,6 +653,24 @@ mod tests {
             Api::CohereChat => unreachable!("Cohere's usage is decode's"),
         };
         prompt_usage(api, answer).unwrap()
+    }
+
+    #[test]
+    fn a_count_is_a_json_integer_that_fits_in_64_bits() {
+        assert_eq!(as_count(b"0"), Some(0));
+        assert_eq!(as_count(b"312"), Some(312));
+        assert_eq!(as_count(b"18446744073709551615"), Some(u64::MAX));
+        for not_a_count in [
+            &b""[..],
+            b"18446744073709551616",
+            b"-1",
+            b"1.0",
+            b"1e2",
+            b"\"3\"",
+            b"null",
+        ] {
+            assert_eq!(as_count(not_a_count), None, "{not_a_count:?}");
+        }
     }
 
     #[test]
