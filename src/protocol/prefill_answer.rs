@@ -155,7 +155,9 @@ pub fn read_prefill_answer(status: Option<u16>, body: &[u8]) -> PrefillAnswer<'_
             FailureKind::Reset,
             502,
             "the prefill call was reset before its answer was complete: prefill closed its \
-             connection, or Envoy updated or removed the prefill cluster"
+             connection, Envoy updated or removed the prefill cluster, or the answer was \
+             larger than Envoy takes for a call (about 32 MiB, as very many prompt logprobs \
+             make)"
                 .to_owned(),
         );
     };
