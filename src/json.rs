@@ -233,6 +233,21 @@ impl<'a> JsonObject<'a> {
 impl<'a> JsonObject<'a> {
     /// [`JsonObject::splice`] with one key edited and every other member kept.
     pub fn splice_member(&self, key: &str, edit: Edit) -> Splice {
+        // The usual case, one such member given a new value: its value's bytes replaced,
+        // without the general plan's bookkeeping of removals and repeats.
+        let mut named = self.members.iter().filter(|member| member.key == key);
+        if let (Some(member), None, Edit::Replace(_) | Edit::Slot) =
+            (named.next(), named.next(), edit)
+        {
+            let mut splice = Splice::default();
+            splice.original(0..member.value.start);
+            match edit {
+                Edit::Replace(bytes) => splice.literal(bytes),
+                _ => splice.pieces.push(Piece::Slot),
+            }
+            splice.original(member.value.end..self.text.len());
+            return splice;
+        }
         self.splice(
             |member| {
                 if member == key {
@@ -860,6 +875,30 @@ mod tests {
 
     fn valid(text: &[u8]) -> bool {
         JsonObject::parse(text).is_ok()
+    }
+
+    #[test]
+    fn one_members_new_value_is_spliced_as_the_general_plan_splices_it() {
+        for text in [
+            &br#"{"usage":{"a":1}}"#[..],
+            br#" { "id" : "x" , "usage" : null , "z" : [1] } "#,
+            br#"{"a":{"usage":2},"usage":3}"#,
+        ] {
+            let object = JsonObject::parse(text).unwrap();
+            let general = object.splice(
+                |key| match key {
+                    "usage" => Edit::Slot,
+                    _ => Edit::Keep,
+                },
+                &[],
+            );
+            assert_eq!(
+                object.splice_member("usage", Edit::Slot).write(text, b"{}"),
+                general.write(text, b"{}"),
+                "{}",
+                String::from_utf8_lossy(text)
+            );
+        }
     }
 
     #[test]

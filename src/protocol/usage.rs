@@ -278,27 +278,8 @@ fn replace_member(
         return None;
     }
     let replacement = rewrite(value)?;
-    let mut named = parsed.members().iter().filter(|member| member.key == key);
-    match (named.next(), named.next()) {
-        // The usual answer: one such member, its value replaced in place.
-        (Some(member), None) => {
-            let (before, after) = (
-                object.get(..member.value.start)?,
-                object.get(member.value.end..)?,
-            );
-            let mut out = Vec::with_capacity(before.len() + replacement.len() + after.len());
-            out.extend_from_slice(before);
-            out.extend_from_slice(&replacement);
-            out.extend_from_slice(after);
-            Some(out)
-        }
-        // Repeated: the splice also drops the copies a parser would not keep.
-        _ => Some(
-            parsed
-                .splice_member(key, Edit::Slot)
-                .write(object, &replacement),
-        ),
-    }
+    let splice = parsed.splice_member(key, Edit::Slot);
+    Some(splice.write(object, &replacement))
 }
 
 /// Decode's non-streamed answer with prefill's prompt counts; `None` when there is nothing
