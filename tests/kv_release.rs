@@ -328,43 +328,39 @@ async fn decode_that_closes_its_connection_before_answering_strands_no_kv() {
 #[tokio::test]
 async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
     let _serial = SERIAL.lock().await;
-    let id = unique_id("decode-refuses");
     // Prefill gets one capped token without min_tokens and serves it; decode gets the
     // client's own limits and refuses them, as vLLM's API server does, before any KV is read.
-    let body = json!({"model": "m", "prompt": "refused by decode", "max_tokens": 1,
-                      "min_tokens": 5})
-    .to_string();
-    let reply = Request::post("default", COMPLETIONS)
-        .id(&id)
-        .body(body)
-        .send()
-        .await;
-    assert_eq!(reply.status, 400, "{}", reply.body);
-    assert!(
-        reply.body.contains("min_tokens"),
-        "decode's own error: {}",
-        reply.body
-    );
-    assert_released_once(&id).await;
-
-    // A limit past the model's context, on a stream with several choices: decode refuses it
-    // at once rather than generating for minutes.
-    let id = unique_id("decode-refuses-limit");
-    let body = json!({"model": "m", "messages": [{"role": "user", "content": "too long"}],
-                      "max_tokens": 1_000_000, "n": 2, "stream": true})
-    .to_string();
-    let reply = Request::post("default", "/v1/chat/completions")
-        .id(&id)
-        .body(body)
-        .send()
-        .await;
-    assert_eq!(reply.status, 400, "{}", reply.body);
-    assert!(
-        reply.body.contains("maximum context length"),
-        "decode's own error: {}",
-        reply.body
-    );
-    assert_released_once(&id).await;
+    // A limit past the model's context, on a stream with several choices, decode refuses at
+    // once rather than generating for minutes.
+    let cases = [
+        (
+            COMPLETIONS,
+            json!({"model": "m", "prompt": "refused by decode", "max_tokens": 1,
+                   "min_tokens": 5}),
+            "min_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "m", "messages": [{"role": "user", "content": "too long"}],
+                   "max_tokens": 1_000_000, "n": 2, "stream": true}),
+            "maximum context length",
+        ),
+    ];
+    for (path, body, decodes_reason) in cases {
+        let id = unique_id("decode-refuses");
+        let reply = Request::post("default", path)
+            .id(&id)
+            .body(body.to_string())
+            .send()
+            .await;
+        assert_eq!(reply.status, 400, "{}", reply.body);
+        assert!(
+            reply.body.contains(decodes_reason),
+            "decode's own error: {}",
+            reply.body
+        );
+        assert_released_once(&id).await;
+    }
 }
 
 #[tokio::test]
