@@ -140,7 +140,7 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         // Completions.
         _ => completion_prompt(obj)?,
     };
-    check_context(limit_name, limit, word_tokens(&prompt))?;
+    check_context(limit, word_tokens(&prompt))?;
     Ok(Parsed {
         endpoint,
         stream,
@@ -242,15 +242,15 @@ fn check_limit(name: &str, limit: i64) -> Result<(), String> {
     Ok(())
 }
 
-/// vLLM refuses a limit that does not fit in the context beside the prompt. (The mock takes
-/// prompts of any length: tests send long ones.)
-fn check_context(name: &str, limit: i64, prompt_tokens: u64) -> Result<(), String> {
+/// vLLM refuses a limit that does not fit in the context beside the prompt, naming both chat
+/// limits whichever was sent. (The mock takes prompts of any length: tests send long ones.)
+fn check_context(limit: i64, prompt_tokens: u64) -> Result<(), String> {
     let Some(room) = MAX_MODEL_LEN.checked_sub(prompt_tokens) else {
         return Ok(());
     };
     if u64::try_from(limit).is_ok_and(|limit| limit > room) {
         return Err(format!(
-            "'{name}' or 'max_completion_tokens' is too large: {limit}. This model's maximum \
+            "'max_tokens' or 'max_completion_tokens' is too large: {limit}. This model's maximum \
              context length is {MAX_MODEL_LEN} tokens and your request has {prompt_tokens} \
              input tokens ({limit} > {MAX_MODEL_LEN} - {prompt_tokens})."
         ));
