@@ -361,6 +361,117 @@ pub fn array_element_ranges(array: &[u8]) -> Option<Vec<Range<usize>>> {
     scanner.at_end().then_some(elements)
 }
 
+/// What [`find_top_level_member`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MemberSearch {
+    /// Where the value of the one member with that key lies.
+    Found(Range<usize>),
+    /// The object has no member with that key.
+    Absent,
+    /// The quick look cannot tell: the key is there twice, a top-level key holds escapes, or
+    /// the text is not shaped as one object. [`JsonObject::parse`] can.
+    Unsure,
+}
+
+/// Where the value of the last top-level member named `key` lies, found without validating
+/// the document: read backwards from its end, following strings and nesting alone, and only
+/// as far as that member. For documents from a trusted writer (decode's answers, which vLLM
+/// serializes, usage near their end), whose cost then does not grow with the text before the
+/// member. On a valid object it agrees with [`JsonObject::last_value`] whenever it is not
+/// [`MemberSearch::Unsure`].
+pub fn find_top_level_member(text: &[u8], key: &str) -> MemberSearch {
+    let Some(close) = text.iter().rposition(|byte| !byte.is_ascii_whitespace()) else {
+        return MemberSearch::Unsure;
+    };
+    if text.get(close) != Some(&b'}') {
+        return MemberSearch::Unsure;
+    }
+    let mut pos = close;
+    let mut depth = 1usize;
+    // The separator after the member being read (its `,`, or the closing brace), and its `:`
+    // once passed: the next string then is the member's key.
+    let mut separator = close;
+    let mut colon = None;
+    while pos > 0 {
+        pos -= 1;
+        match text.get(pos) {
+            Some(b'"') => {
+                let Some(open) = string_start(text, pos) else {
+                    return MemberSearch::Unsure;
+                };
+                if let (1, Some(colon)) = (depth, colon) {
+                    let raw = text.get(open + 1..pos).unwrap_or_default();
+                    if raw.contains(&b'\\') {
+                        return MemberSearch::Unsure;
+                    }
+                    if raw == key.as_bytes() {
+                        let start = skip_whitespace(text, colon + 1);
+                        let value = start..value_end(text, start, separator);
+                        if value.is_empty() {
+                            return MemberSearch::Unsure;
+                        }
+                        return MemberSearch::Found(value);
+                    }
+                }
+                pos = open;
+            }
+            Some(b':') if depth == 1 => colon = Some(pos),
+            Some(b',') if depth == 1 => {
+                separator = pos;
+                colon = None;
+            }
+            Some(b'}' | b']') => depth += 1,
+            Some(byte @ (b'{' | b'[')) => {
+                depth -= 1;
+                if depth == 0 {
+                    let opens = *byte == b'{' && skip_whitespace(text, 0) == pos;
+                    return if opens {
+                        MemberSearch::Absent
+                    } else {
+                        MemberSearch::Unsure
+                    };
+                }
+            }
+            _ => {}
+        }
+    }
+    MemberSearch::Unsure
+}
+
+/// Where a value that starts at `start` ends, given the separator that follows it: before
+/// the whitespace between the two.
+fn value_end(text: &[u8], start: usize, separator: usize) -> usize {
+    let value = text.get(start..separator).unwrap_or_default();
+    start + value.trim_ascii_end().len()
+}
+
+/// The opening quote of the string whose closing quote is at `close`: the first `"` before
+/// it that no escape takes (one after an odd run of backslashes is escaped).
+fn string_start(text: &[u8], close: usize) -> Option<usize> {
+    let mut end = close;
+    loop {
+        let quote = text.get(..end)?.iter().rposition(|&byte| byte == b'"')?;
+        let before = text.get(..quote).unwrap_or_default();
+        let backslashes = before
+            .iter()
+            .rev()
+            .take_while(|&&byte| byte == b'\\')
+            .count();
+        if backslashes % 2 == 0 {
+            return Some(quote);
+        }
+        end = quote;
+    }
+}
+
+fn skip_whitespace(text: &[u8], from: usize) -> usize {
+    let rest = text.get(from..).unwrap_or_default();
+    from + rest
+        .iter()
+        .position(|byte| !matches!(byte, b' ' | b'\t' | b'\n' | b'\r'))
+        .unwrap_or(rest.len())
+}
+
 /// The bytes of a range the parser produced (always in bounds).
 fn span(bytes: &[u8], range: Range<usize>) -> &[u8] {
     bytes.get(range).unwrap_or_default()
@@ -628,10 +739,10 @@ impl<'a> Scanner<'a> {
             )
         } else {
             let inner = raw.get(1..raw.len().saturating_sub(1)).unwrap_or_default();
-            Cow::Borrowed(std::str::from_utf8(inner).map_err(|_| JsonError {
-                kind: JsonErrorKind::InvalidUtf8,
-                offset: start,
-            })?)
+            // SAFETY: `Scanner::string` took these bytes without escapes only if each is
+            // ASCII or part of a run of non-ASCII bytes it checked as UTF-8 (`non_ascii`),
+            // and such runs end at ASCII bytes: the whole is UTF-8.
+            Cow::Borrowed(unsafe { std::str::from_utf8_unchecked(inner) })
         };
         self.skip_whitespace();
         if self.peek() != Some(b':') {
@@ -875,6 +986,40 @@ mod tests {
 
     fn valid(text: &[u8]) -> bool {
         JsonObject::parse(text).is_ok()
+    }
+
+    #[test]
+    fn the_quick_member_search_reads_only_the_top_level() {
+        fn found(text: &[u8]) -> Result<&[u8], MemberSearch> {
+            match find_top_level_member(text, "usage") {
+                MemberSearch::Found(range) => Ok(&text[range]),
+                other => Err(other),
+            }
+        }
+        assert_eq!(
+            found(br#"{"a":{"usage":1},"s":"\"usage\":2","usage" : {"x":[1,"}"]} ,"b":3}"#),
+            Ok(&br#"{"x":[1,"}"]}"#[..])
+        );
+        assert_eq!(found(b" {\"usage\":null}\n"), Ok(&b"null"[..]));
+        assert_eq!(found(br#"{"a":"\\","usage":7}"#), Ok(&b"7"[..]));
+        assert_eq!(found(br#"{"a":{"usage":1}}"#), Err(MemberSearch::Absent));
+        assert_eq!(found(b"{}"), Err(MemberSearch::Absent));
+        // What it cannot tell is left to the validating scanner.
+        for text in [
+            &br#"{"us\u0061ge":1}"#[..],
+            br#"{"usage":1}x"#,
+            br#"["usage"]"#,
+            br#"{"usage":}"#,
+            br#"{"usage":1"#,
+            b"",
+        ] {
+            assert_eq!(
+                found(text),
+                Err(MemberSearch::Unsure),
+                "{}",
+                String::from_utf8_lossy(text)
+            );
+        }
     }
 
     #[test]

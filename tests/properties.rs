@@ -2,12 +2,15 @@
 //! arbitrary bytes never panic; for any JSON object, decode gets the client's exact bytes with
 //! only `kv_transfer_params` changed (and prompt logprobs it cannot compute removed), and
 //! prefill gets every limit capped and the rewrite rules applied; the scanner's SIMD
-//! mask of string bytes marks exactly what its portable one does.
+//! mask of string bytes marks exactly what its portable one does; the quick look for one
+//! member of decode's answer finds what the validating scanner finds.
 //!
 //! `PD_PROPTEST_CASES` sets the number of cases per property (default 2,000).
 
 use pd_filter::api::Api;
-use pd_filter::json::{special_mask, special_mask_bytewise, JsonObject};
+use pd_filter::json::{
+    find_top_level_member, special_mask, special_mask_bytewise, JsonObject, MemberSearch,
+};
 use pd_filter::protocol::rewrite::REMOTE_DECODE_REQUEST;
 use pd_filter::protocol::{prepare, read_prefill_answer, PreparedRequest};
 use proptest::prelude::*;
@@ -269,6 +272,32 @@ proptest! {
             prop_assert_eq!(error.status, 400);
         }
         let _ = read_prefill_answer(Some(200), &body);
+    }
+
+    /// The quick look for one top-level member (decode's answers) finds the member the
+    /// validating scanner keeps (the last of its key, escapes decoded), or says it has none,
+    /// or says it cannot tell; on any bytes it never panics and stays within them.
+    #[test]
+    fn the_quick_member_search_finds_what_the_scanner_keeps(
+        text in json_object(),
+        key in prop::sample::select(KEYS),
+        noise in prop::collection::vec(any::<u8>(), 0..64),
+    ) {
+        let object = JsonObject::parse(text.as_bytes()).expect("valid object");
+        let kept = object
+            .members()
+            .iter()
+            .rev()
+            .find(|member| member.key == key)
+            .map(|member| member.value.clone());
+        match find_top_level_member(text.as_bytes(), key) {
+            MemberSearch::Found(range) => prop_assert_eq!(Some(range), kept, "{}", text),
+            MemberSearch::Absent => prop_assert_eq!(None, kept, "{}", text),
+            MemberSearch::Unsure => {}
+        }
+        if let MemberSearch::Found(range) = find_top_level_member(&noise, key) {
+            prop_assert!(range.end <= noise.len() && range.start < range.end);
+        }
     }
 
     /// The SIMD mask of the string bytes that need a look (SSE2 here; wasm simd128 is checked

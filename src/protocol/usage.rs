@@ -8,7 +8,7 @@ use std::cell::Cell;
 
 use crate::api::Api;
 use crate::held_bytes::{HeldBytes, Reservation};
-use crate::json::{Edit, JsonObject};
+use crate::json::{find_top_level_member, Edit, JsonObject, MemberSearch};
 
 /// What prefill counted for the prompt.
 #[derive(Debug, Clone)]
@@ -187,8 +187,8 @@ fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>>
         prompt.decode_prompt.set(decode_prompt);
     }
     let output = as_count(object.last_value(fields.output)?)?;
-    let prompt_tokens = prompt.prompt_tokens.to_string();
-    let total = prompt.prompt_tokens.saturating_add(output).to_string();
+    let prompt_tokens = CountText::new(prompt.prompt_tokens);
+    let total = CountText::new(prompt.prompt_tokens.saturating_add(output));
     let mut values: Vec<(&str, &[u8])> = Vec::with_capacity(3 + prompt.members.len());
     values.push((fields.prompt, prompt_tokens.as_bytes()));
     if let Some(name) = fields.total {
@@ -214,6 +214,33 @@ fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>>
         }
     }
     Some(with_values(&object, &values))
+}
+
+/// A count written in decimal, without the formatting machinery or an allocation.
+struct CountText {
+    digits: [u8; 20],
+    start: usize,
+}
+
+impl CountText {
+    fn new(mut count: u64) -> CountText {
+        let mut digits = [b'0'; 20];
+        let mut start = digits.len();
+        loop {
+            start -= 1;
+            if let Some(digit) = digits.get_mut(start) {
+                *digit = b'0' + (count % 10) as u8;
+            }
+            count /= 10;
+            if count == 0 || start == 0 {
+                return CountText { digits, start };
+            }
+        }
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        self.digits.get(self.start..).unwrap_or_default()
+    }
 }
 
 /// A token count: a JSON integer that fits in 64 bits.
@@ -268,6 +295,30 @@ fn with_values(object: &JsonObject, values: &[(&str, &[u8])]) -> Vec<u8> {
 
 /// `object` with its member `key` (an object or null) replaced by `rewrite` of it.
 fn replace_member(
+    object: &[u8],
+    key: &str,
+    rewrite: impl FnOnce(&[u8]) -> Option<Vec<u8>>,
+) -> Option<Vec<u8>> {
+    let range = match find_top_level_member(object, key) {
+        MemberSearch::Found(range) => range,
+        MemberSearch::Absent => return None,
+        MemberSearch::Unsure => return replace_member_parsed(object, key, rewrite),
+    };
+    let value = object.get(range.clone())?;
+    if !value.starts_with(b"{") {
+        return None;
+    }
+    let replacement = rewrite(value)?;
+    let mut out = Vec::with_capacity(object.len() - range.len() + replacement.len());
+    out.extend_from_slice(object.get(..range.start)?);
+    out.extend_from_slice(&replacement);
+    out.extend_from_slice(object.get(range.end..)?);
+    Some(out)
+}
+
+/// [`replace_member`] of an object the quick look could not read: validated whole, and
+/// every member with the key but the last one removed.
+fn replace_member_parsed(
     object: &[u8],
     key: &str,
     rewrite: impl FnOnce(&[u8]) -> Option<Vec<u8>>,
@@ -634,6 +685,16 @@ mod tests {
             Api::CohereChat => unreachable!("Cohere's usage is decode's"),
         };
         prompt_usage(api, answer).unwrap()
+    }
+
+    #[test]
+    fn counts_are_written_as_decimal_text() {
+        for count in [0, 7, 10, 230, 1_000_000, u64::MAX] {
+            assert_eq!(
+                CountText::new(count).as_bytes(),
+                count.to_string().as_bytes()
+            );
+        }
     }
 
     #[test]
