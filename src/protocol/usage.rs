@@ -5,6 +5,9 @@
 //! its details: cache hits, cache writes, per-modality counts), totals recomputed.
 
 use std::cell::Cell;
+use std::sync::LazyLock;
+
+use memchr::memmem::Finder;
 
 use crate::api::Api;
 use crate::held_bytes::{HeldBytes, Reservation};
@@ -166,8 +169,10 @@ const REMOTE_PREFILL_CACHED_TOKENS: &[u8] = b"remote_prefill_cached_tokens";
 /// (`remote_prefill_cached_tokens`), and decode reports those instead of the KV it pulled.
 /// Their cache writes, though, decode does not take: it counts the KV it pulled as neither.
 pub fn decode_counts_prefills_hits(kv_transfer_params: &[u8]) -> bool {
-    // Most answers do not name it: no need to read them.
-    contains(kv_transfer_params, REMOTE_PREFILL_CACHED_TOKENS)
+    // Most answers do not name it: no need to read them. The searcher is built once.
+    static FINDER: LazyLock<Finder<'static>> =
+        LazyLock::new(|| Finder::new(REMOTE_PREFILL_CACHED_TOKENS));
+    FINDER.find(kv_transfer_params).is_some()
         && JsonObject::parse(kv_transfer_params)
             .ok()
             .and_then(|kv| {
@@ -344,16 +349,11 @@ pub fn merge_answer(api: Api, answer: &[u8], prompt: &PromptUsage) -> Option<Vec
 /// (`response.completed`, or `response.incomplete` when vLLM 0.33 stopped at the limit).
 /// `None` for every other event.
 pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
-    if !contains(event, USAGE_MARKER) {
-        return None;
-    }
+    find_usage_marker(event)?;
     // The event's data line: `data: {…}`.
-    let start = find(event, b"data:")? + b"data:".len();
-    let end = event
-        .get(start..)?
-        .iter()
-        .position(|&b| b == b'\n' || b == b'\r')
-        .map_or(event.len(), |at| start + at);
+    let start = find_near_start(event, b"data:")? + b"data:".len();
+    let end =
+        memchr::memchr2(b'\n', b'\r', event.get(start..)?).map_or(event.len(), |at| start + at);
     let data = event.get(start..end)?;
     let lead = data.iter().take_while(|b| **b == b' ').count();
     let json = data.get(lead..)?;
@@ -384,12 +384,19 @@ pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u
 /// they are.
 const USAGE_MARKER: &[u8] = b"\"usage\"";
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    memchr::memmem::find(haystack, needle)
+/// Where [`USAGE_MARKER`] first is in `haystack`. The searcher is built once: building
+/// one costs more than searching a chunk of decode's stream with it.
+fn find_usage_marker(haystack: &[u8]) -> Option<usize> {
+    static FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(USAGE_MARKER));
+    FINDER.find(haystack)
 }
 
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    find(haystack, needle).is_some()
+/// Where `needle`, a few bytes usually found at once (`data:` at the start of an event),
+/// first is in `haystack`.
+fn find_near_start(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack
+        .windows(needle.len())
+        .position(|window| window == needle)
 }
 
 /// The longest event the rewriter holds back while waiting for its end; a longer one goes
@@ -605,36 +612,34 @@ impl EventStream {
 /// format also allows `\r\n` and `\r`, which another server or a proxy may write.
 const EVENT_ENDS: [&[u8]; 5] = [b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n"];
 
-/// Just past the last complete event in `data`; 0 when there is none.
+/// Just past the last complete event in `data`; 0 when there is none. Every blank line
+/// ends in a line break: only those are tried, from the last one back (in vLLM's stream
+/// the last byte of a chunk).
 fn after_last_event(data: &[u8]) -> usize {
-    let lf = memchr::memmem::rfind(data, b"\n\n").map_or(0, |at| at + 2);
-    // vLLM's events end where its chunks do.
-    if lf == data.len() {
-        return lf;
+    let mut end = data.len();
+    while let Some(at) = memchr::memrchr2(b'\n', b'\r', data.get(..end).unwrap_or_default()) {
+        let through = data.get(..=at).unwrap_or_default();
+        if EVENT_ENDS.iter().any(|blank| through.ends_with(blank)) {
+            return at + 1;
+        }
+        end = at;
     }
-    // Another spelling of a blank line that ends later starts at most 3 bytes before.
-    let from = lf.saturating_sub(3);
-    let tail = data.get(from..).unwrap_or_default();
-    EVENT_ENDS
-        .iter()
-        .filter_map(|end| memchr::memmem::rfind(tail, end).map(|at| from + at + end.len()))
-        .fold(lf, usize::max)
+    0
 }
 
-/// Where the first event end in `data` starts; `None` when there is none.
+/// Where the first event end in `data` starts; `None` when there is none. Every blank line
+/// starts with a line break: only those are tried.
 fn first_event_end(data: &[u8]) -> Option<usize> {
-    // Only an end that starts before vLLM's first "\n\n" can come first; it lies within
-    // the 3 bytes after that one's start.
-    let lf = find(data, b"\n\n");
-    let head = match lf {
-        Some(at) => data.get(..(at + 3).min(data.len())).unwrap_or_default(),
-        None => data,
-    };
-    EVENT_ENDS
-        .iter()
-        .filter_map(|end| find(head, end))
-        .chain(lf)
-        .min()
+    let mut from = 0;
+    while let Some(found) = memchr::memchr2(b'\n', b'\r', data.get(from..)?) {
+        let at = from + found;
+        let rest = data.get(at..).unwrap_or_default();
+        if EVENT_ENDS.iter().any(|blank| rest.starts_with(blank)) {
+            return Some(at);
+        }
+        from = at + 1;
+    }
+    None
 }
 
 /// Complete events with prefill's prompt counts where they carry usage; `None` when none
@@ -645,7 +650,7 @@ fn merge_events(api: Api, prompt: &PromptUsage, complete: &[u8]) -> Option<Vec<u
     let mut search_from = 0;
     while let Some(at) = complete
         .get(search_from..)
-        .and_then(|rest| find(rest, USAGE_MARKER))
+        .and_then(find_usage_marker)
         .map(|found| search_from + found)
     {
         let before = complete.get(..at).unwrap_or_default();
@@ -685,6 +690,44 @@ mod tests {
             Api::CohereChat => unreachable!("Cohere's usage is decode's"),
         };
         prompt_usage(api, answer).unwrap()
+    }
+
+    /// Every text of up to 8 bytes of line breaks and others: the event ends found are
+    /// those a search for each spelling of a blank line finds.
+    #[test]
+    fn event_ends_are_where_a_search_for_each_blank_line_finds_them() {
+        let occurrences = |data: &[u8]| -> Vec<(usize, usize)> {
+            EVENT_ENDS
+                .iter()
+                .flat_map(|blank| {
+                    (0..=data.len().saturating_sub(blank.len()))
+                        .filter(|&at| data[at..].starts_with(blank))
+                        .map(|at| (at, at + blank.len()))
+                })
+                .collect()
+        };
+        let mut texts: Vec<Vec<u8>> = vec![Vec::new()];
+        for _ in 0..8 {
+            let longer: Vec<Vec<u8>> = texts
+                .iter()
+                .filter(|text| text.len() == texts.last().map_or(0, Vec::len))
+                .flat_map(|text| {
+                    [b'\n', b'\r', b'x'].map(|byte| {
+                        let mut text = text.clone();
+                        text.push(byte);
+                        text
+                    })
+                })
+                .collect();
+            texts.extend(longer);
+        }
+        for text in &texts {
+            let found = occurrences(text);
+            let last_end = found.iter().map(|&(_, end)| end).max().unwrap_or(0);
+            let first_start = found.iter().map(|&(start, _)| start).min();
+            assert_eq!(after_last_event(text), last_end, "{text:?}");
+            assert_eq!(first_event_end(text), first_start, "{text:?}");
+        }
     }
 
     #[test]
