@@ -28,7 +28,9 @@ fn format_uuid_v4(mut bytes: [u8; 16]) -> String {
         if matches!(index, 4 | 6 | 8 | 10) {
             text.push('-');
         }
-        text.push_str(&format!("{byte:02x}"));
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        text.push(char::from(HEX[usize::from(byte >> 4)]));
+        text.push(char::from(HEX[usize::from(byte & 0x0f)]));
     }
     text
 }
