@@ -849,15 +849,24 @@ impl<'a> Scanner<'a> {
     /// are looked at.
     fn string(&mut self) -> Result<bool, JsonError> {
         self.pos += 1;
-        // Most strings (keys, short values) end within 16 bytes: when the first byte that
-        // needs a look there is the closing quote, one compare has read the whole string.
-        if let Some(chunk) = self.bytes.get(self.pos..self.pos + 16) {
+        // Most strings (keys, short values) end within 32 bytes: when the first byte that
+        // needs a look there is the closing quote, a compare or two have read the whole
+        // string.
+        for _ in 0..2 {
+            let Some(chunk) = self.bytes.get(self.pos..self.pos + 16) else {
+                break;
+            };
             let mask = simd::special_mask_16(chunk);
+            if mask == 0 {
+                self.pos += 16;
+                continue;
+            }
             let first = self.pos + mask.trailing_zeros() as usize;
-            if mask != 0 && self.bytes.get(first) == Some(&b'"') {
+            if self.bytes.get(first) == Some(&b'"') {
                 self.pos = first + 1;
                 return Ok(false);
             }
+            break;
         }
         let mut escaped = false;
         loop {
