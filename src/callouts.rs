@@ -262,7 +262,7 @@ mod tests {
     fn call() -> HttpCall {
         HttpCall {
             cluster: "decode".into(),
-            headers: vec![("x-request-id".into(), "req-9".into())],
+            headers: vec![("x-request-id".into(), "req-9".into())].into(),
             body: vec![],
             timeout: Duration::from_secs(1),
         }
@@ -327,7 +327,7 @@ mod tests {
         // The kv_transfer_params of a long prompt list thousands of blocks; a client's
         // headers may be large too.
         let heavy = HttpCall {
-            headers: vec![("baggage".into(), "x".repeat(SMALL_RELEASE_BYTES))],
+            headers: vec![("baggage".into(), "x".repeat(SMALL_RELEASE_BYTES))].into(),
             body: vec![b'1'; 30_000],
             ..call()
         };
@@ -371,14 +371,14 @@ mod tests {
         assert!(callouts.next_waiting_release().is_none(), "no slot yet");
         callouts.answered(1);
         let (first, attempts) = callouts.next_waiting_release().unwrap();
-        assert_eq!((first.cluster.as_str(), attempts), ("0", 1));
+        assert_eq!((&*first.cluster, attempts), ("0", 1));
         assert!(
             callouts.next_waiting_release().is_none(),
             "its slot is taken"
         );
         callouts.release_sent(Some(2), &first, attempts);
         callouts.answered(2);
-        assert_eq!(callouts.next_waiting_release().unwrap().0.cluster, "1");
+        assert_eq!(&*callouts.next_waiting_release().unwrap().0.cluster, "1");
     }
 
     #[test]

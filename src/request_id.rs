@@ -28,9 +28,9 @@ fn format_uuid_v4(mut bytes: [u8; 16]) -> String {
         if matches!(index, 4 | 6 | 8 | 10) {
             text.push('-');
         }
-        const HEX: &[u8; 16] = b"0123456789abcdef";
-        text.push(char::from(HEX[usize::from(byte >> 4)]));
-        text.push(char::from(HEX[usize::from(byte & 0x0f)]));
+        for nibble in [byte >> 4, byte & 0x0f] {
+            text.push(char::from_digit(u32::from(nibble), 16).unwrap_or('0'));
+        }
     }
     text
 }

@@ -110,8 +110,9 @@ pub enum Command {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpCall {
-    pub cluster: String,
-    pub headers: Vec<(String, String)>,
+    pub cluster: Rc<str>,
+    /// Shared with the request, which keeps them for another attempt and for a KV release.
+    pub headers: Rc<[(String, String)]>,
     pub body: Vec<u8>,
     pub timeout: Duration,
 }

@@ -95,8 +95,8 @@ pub(super) struct Prefill {
     pub(super) original: HeldBody,
     pub(super) model: Option<String>,
     pub(super) decode: DecodePlan,
-    pub(super) cluster: String,
-    pub(super) prefill_headers: Vec<(String, String)>,
+    pub(super) cluster: Rc<str>,
+    pub(super) prefill_headers: Rc<[(String, String)]>,
     /// The VM's budget the headers, model and request id take: a client's headers can be
     /// tens of KB, and a request keeps them until its KV is known to be read.
     pub(super) headers_held: Reservation,
@@ -139,10 +139,14 @@ impl Prefill {
     }
 
     fn call(&self, body: Vec<u8>, timeout: Duration) -> HttpCall {
-        let mut headers = self.prefill_headers.clone();
-        if let Some(host) = self.host() {
-            headers.push((ORIGINAL_DST_HEADER.to_owned(), host.to_string()));
-        }
+        let headers = match self.host() {
+            Some(host) => {
+                let mut headers = self.prefill_headers.to_vec();
+                headers.push((ORIGINAL_DST_HEADER.to_owned(), host.to_string()));
+                Rc::from(headers)
+            }
+            None => self.prefill_headers.clone(),
+        };
         HttpCall {
             cluster: self.cluster.clone(),
             headers,
@@ -180,10 +184,8 @@ impl Session {
         }
         commands.push(Command::Record(Metric::Orchestrated(pending.api)));
         let cluster = match &config.prefill_host_cluster {
-            Some(cluster) if !pending.scheduled_hosts.is_empty() => cluster.clone(),
-            _ => config
-                .prefill_cluster_for(prepared.model.as_deref())
-                .to_owned(),
+            Some(cluster) if !pending.scheduled_hosts.is_empty() => Rc::from(cluster.as_str()),
+            _ => Rc::from(config.prefill_cluster_for(prepared.model.as_deref())),
         };
         // Kept for the KV release's model and cluster; a name longer than any model's
         // (which matched no configured pool) is not kept in the VM.
@@ -209,7 +211,7 @@ impl Session {
             model,
             decode: prepared.decode,
             cluster,
-            prefill_headers: pending.prefill_headers,
+            prefill_headers: Rc::from(pending.prefill_headers),
             headers_held,
             scheduled_hosts: pending.scheduled_hosts,
             attempt: 0,

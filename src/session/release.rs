@@ -22,7 +22,7 @@ pub(super) const DELIVERY_WINDOW: Duration = Duration::from_secs(2);
 pub(super) struct UnreadKv {
     pub(super) model: Option<String>,
     pub(super) kv_transfer_params: Vec<u8>,
-    pub(super) headers: Vec<(String, String)>,
+    pub(super) headers: Rc<[(String, String)]>,
     /// The VM's budget these take.
     pub(super) _held: Reservation,
 }
@@ -132,7 +132,7 @@ impl Session {
         }
         // Never the client's body: the smallest request takes the KV as well, and carries
         // nothing (prompt logprobs, tools, a long prompt) that would make decode compute more.
-        let mut headers = unread.headers;
+        let mut headers = unread.headers.to_vec();
         for (name, value) in headers.iter_mut() {
             if name == ":path" {
                 *value = MINIMAL_RELEASE_PATH.to_owned();
@@ -141,10 +141,8 @@ impl Session {
         let body = minimal_kv_release_body(unread.model.as_deref(), &unread.kv_transfer_params);
         headers.push((KV_RELEASE_HEADER.to_owned(), "1".to_owned()));
         Some(Command::ReleaseKv(HttpCall {
-            cluster: config
-                .decode_cluster_for(unread.model.as_deref())
-                .to_owned(),
-            headers,
+            cluster: Rc::from(config.decode_cluster_for(unread.model.as_deref())),
+            headers: Rc::from(headers),
             body,
             timeout: config.kv_release_timeout,
         }))

@@ -245,7 +245,7 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
         vec![Metric::Orchestrated(Api::ChatCompletions)]
     );
     let call = dispatched(&step.commands);
-    assert_eq!(call.cluster, "prefill");
+    assert_eq!(&*call.cluster, "prefill");
     assert_eq!(call.timeout, Duration::from_secs(120));
     assert_eq!(call_header(call, ":path"), Some("/v1/chat/completions"));
     assert_eq!(call_header(call, ":authority"), Some("gateway"));
@@ -556,7 +556,7 @@ fn release_call(commands: &[Command]) -> &HttpCall {
 
 fn released(commands: &[Command]) -> Value {
     let call = release_call(commands);
-    assert_eq!(call.cluster, "decode");
+    assert_eq!(&*call.cluster, "decode");
     assert_eq!(call.timeout, Duration::from_secs(30));
     assert_eq!(call_header(call, ORIGINAL_DST_HEADER), None);
     assert_eq!(call_header(call, KV_RELEASE_HEADER), Some("1"));
@@ -817,7 +817,7 @@ fn retries_go_to_the_next_scheduled_host_within_the_time_budget() {
         r#"{"prompt":"x"}"#,
     );
     let call = dispatched(&step.commands);
-    assert_eq!(call.cluster, "dst");
+    assert_eq!(&*call.cluster, "dst");
     assert_eq!(
         call_header(call, ORIGINAL_DST_HEADER),
         Some("10.0.0.1:8000")
@@ -1083,7 +1083,7 @@ fn the_model_picks_the_prefill_pool_and_the_decode_route() {
         .contains(&Command::RemoveRequestHeader("x-pd-model".into())));
     s.on_request_body(10, true);
     let step = s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
-    assert_eq!(dispatched(&step.commands).cluster, "prefill");
+    assert_eq!(&*dispatched(&step.commands).cluster, "prefill");
     assert!(!step
         .commands
         .iter()
@@ -1095,7 +1095,7 @@ fn the_model_picks_the_prefill_pool_and_the_decode_route() {
         &post("/v1/completions"),
         r#"{"model":"model-b","prompt":"x"}"#,
     );
-    assert_eq!(dispatched(&step.commands).cluster, "prefill_b");
+    assert_eq!(&*dispatched(&step.commands).cluster, "prefill_b");
     assert!(step.commands.contains(&Command::SetRequestHeader {
         name: "x-pd-model".into(),
         value: "model-b".into()
@@ -1124,7 +1124,7 @@ fn a_models_kv_is_released_through_its_own_decode_pool() {
         s.on_prefill_dispatched(Some(1), at(0));
         s.on_stream_done();
         let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
-        assert_eq!(release_call(&commands).cluster, decode_pool, "{model}");
+        assert_eq!(&*release_call(&commands).cluster, decode_pool, "{model}");
     }
 }
 
@@ -1160,7 +1160,7 @@ fn scheduled_hosts_must_be_allowed_and_never_reach_decode() {
     let mut s = session("");
     let step = send(&mut s, &admin, r#"{"prompt":"x"}"#);
     let call = dispatched(&step.commands);
-    assert_eq!(call.cluster, "prefill");
+    assert_eq!(&*call.cluster, "prefill");
     assert_eq!(call_header(call, ORIGINAL_DST_HEADER), None);
 }
 
