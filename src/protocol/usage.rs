@@ -298,7 +298,8 @@ fn with_values(object: &JsonObject, values: &[(&str, &[u8])]) -> Vec<u8> {
     out
 }
 
-/// `object` with its member `key` (an object or null) replaced by `rewrite` of it.
+/// `object` with its member `key` (an object) replaced by `rewrite` of it; `None` when it has
+/// no such member or the rewrite changes nothing.
 fn replace_member(
     object: &[u8],
     key: &str,
@@ -314,6 +315,11 @@ fn replace_member(
         return None;
     }
     let replacement = rewrite(value)?;
+    // Often nothing changes (vLLM by default reports no cached_tokens on either leg, and
+    // both count the same prompt): the answer is not written again.
+    if replacement == value {
+        return None;
+    }
     let mut out = Vec::with_capacity(object.len() - range.len() + replacement.len());
     out.extend_from_slice(object.get(..range.start)?);
     out.extend_from_slice(&replacement);
@@ -339,7 +345,8 @@ fn replace_member_parsed(
 }
 
 /// Decode's non-streamed answer with prefill's prompt counts; `None` when there is nothing
-/// to change (no usage), and the answer goes as it is.
+/// to change (no usage, or usage that already counts as prefill did), and the answer goes as
+/// it is.
 pub fn merge_answer(api: Api, answer: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
     replace_member(answer, "usage", |usage| merged_usage(api, usage, prompt))
 }
