@@ -163,7 +163,7 @@ impl<'a> JsonObject<'a> {
     ) -> Splice {
         let edits: Vec<Edit> = self.members.iter().map(|m| edit(&m.key)).collect();
         let mut superseded = vec![false; self.members.len()];
-        let mut seen: Vec<&str> = Vec::new();
+        let mut seen: Vec<&str> = Vec::with_capacity(self.members.len());
         for (index, member) in self.members.iter().enumerate().rev() {
             if matches!(edits.get(index), Some(Edit::Keep) | None) {
                 continue;
@@ -177,7 +177,10 @@ impl<'a> JsonObject<'a> {
             }
         }
 
-        let mut splice = Splice::default();
+        // A piece or two per member and per appended one: no growing while planning.
+        let mut splice = Splice {
+            pieces: Vec::with_capacity(2 * (self.members.len() + append.len()) + 4),
+        };
         let after_open = self.open_brace + 1;
         splice.original(0..after_open);
         let mut cursor = after_open;
