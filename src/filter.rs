@@ -910,8 +910,9 @@ impl HttpContext for PdRequest {
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
-        self.request.session.borrow_mut().on_response_trailers();
-        Action::Continue
+        let step = self.request.session.borrow_mut().on_response_trailers();
+        // The answer Envoy holds, whole: no body callback says its size here.
+        self.read_response_body(step, usize::MAX, true)
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
@@ -920,11 +921,18 @@ impl HttpContext for PdRequest {
             .session
             .borrow_mut()
             .on_response_body(body_size, end_of_stream);
+        self.read_response_body(step, body_size, end_of_stream)
+    }
+}
+
+impl PdRequest {
+    /// Carries out a response step, reading the answer's first `size` bytes for the session
+    /// first when it asks for them.
+    fn read_response_body(&mut self, step: BodyStep, size: usize, end_of_stream: bool) -> Action {
         let step = match step {
             BodyStep::Step(step) => step,
             BodyStep::ReadBody => {
-                let body =
-                    host::buffer(BufferType::HttpResponseBody, 0, body_size).unwrap_or_default();
+                let body = host::buffer(BufferType::HttpResponseBody, 0, size).unwrap_or_default();
                 self.request
                     .session
                     .borrow_mut()
@@ -933,9 +941,7 @@ impl HttpContext for PdRequest {
         };
         self.run(step)
     }
-}
 
-impl PdRequest {
     /// Runs one of the request's own request callbacks. A resume asked for while it runs
     /// (prefill refused at once, and decode gets the body without it) is its answer to
     /// Envoy, `Continue`: the host's `continue_stream` there would resume the stream before

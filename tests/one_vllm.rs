@@ -130,6 +130,41 @@ async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
     }
 }
 
+/// Decode's JSON answer ended by trailers (a proxy before vLLM, or an HTTP/2 decode cluster,
+/// may add them): Envoy gives the filter no end of the body, only the trailers, and the
+/// usage is merged there all the same.
+#[tokio::test]
+async fn an_answer_that_ends_with_trailers_gets_prefills_prompt_counts() {
+    let h = harness();
+    let id = unique_id("trailers");
+    let sent = json!({"model": "m", "max_tokens": 4,
+        "prompt": format!("ends with trailers mock:prefill_cached_tokens={PREFILL_CACHED}")});
+    let reply = Request::post("decode_trailers", "/v1/completions")
+        .id(&id)
+        .body(sent.to_string())
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let answer = reply.json();
+    let decodes: Value = serde_json::from_str(common::TRAILERS_ANSWER).unwrap();
+    let usage = &answer["usage"];
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], PREFILL_CACHED,
+        "{usage}"
+    );
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert_ne!(prompt, 999, "decode's own prompt count: {usage}");
+    assert_eq!(usage["completion_tokens"], 4, "{usage}");
+    assert_eq!(usage["total_tokens"], prompt + 4, "{usage}");
+    // Every other member is decode's.
+    let mut rest = answer.clone();
+    let mut decodes_rest = decodes.clone();
+    rest["usage"] = Value::Null;
+    decodes_rest["usage"] = Value::Null;
+    assert_eq!(rest, decodes_rest);
+    assert_eq!(h.prefill_requests(&id).len(), 1);
+}
+
 /// A gzip stream of stored blocks (what `mock:decode_gzip` writes), inflated; `None` when it
 /// is not one or its checksum fails.
 fn gunzip_stored(bytes: &[u8]) -> Option<Vec<u8>> {

@@ -225,28 +225,34 @@ impl Session {
         }
     }
 
-    /// The answer ended with trailers. Envoy then gives no body callback at its end, and the
-    /// filter cannot add body bytes from a trailers callback: part of an event still waiting
-    /// for its end is not sent on. vLLM sends no trailers; a proxy between it and Envoy might.
-    pub fn on_response_trailers(&mut self) {
-        if let State::Decoding {
-            answer: AnswerRewrite::Events(events),
-            ..
-        } = &self.state
-        {
-            if events.holds_bytes() {
+    /// The answer ended with trailers. Envoy then gives no body callback at its end: a JSON
+    /// answer held whole is read here, from Envoy's buffer, and rewritten there. Part of an
+    /// event still waiting for its end is lost: the filter cannot add body bytes from a
+    /// trailers callback. vLLM sends no trailers; a proxy between it and Envoy, or an HTTP/2
+    /// decode cluster, might.
+    pub fn on_response_trailers(&mut self) -> BodyStep {
+        let continuing = BodyStep::Step(Step::new(Flow::Continue, vec![]));
+        let State::Decoding { answer, .. } = &self.state else {
+            return continuing;
+        };
+        match answer {
+            AnswerRewrite::Whole { .. } => BodyStep::ReadBody,
+            AnswerRewrite::Events(events) if events.holds_bytes() => {
                 log::warn!(
                     "[{}] decode's answer ended with trailers while {} bytes of an event \
                      waited for its end: the client does not get them",
                     self.request_id,
                     events.held_len()
                 );
+                continuing
             }
+            _ => continuing,
         }
     }
 
-    /// The answer's bytes asked for by [`Session::on_response_body`]: the latest chunk of an
-    /// event stream, or the whole of a JSON answer.
+    /// The answer's bytes asked for by [`Session::on_response_body`] or
+    /// [`Session::on_response_trailers`]: the latest chunk of an event stream, or the whole
+    /// of a JSON answer.
     pub fn on_response_body_read(&mut self, body: &[u8], end_of_stream: bool) -> Step {
         let State::Decoding {
             prompt_usage,

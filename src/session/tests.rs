@@ -1345,6 +1345,36 @@ fn reads_stream(config: &str, path: &str, body: &str) -> bool {
     s.on_response_body(40, false) == BodyStep::ReadBody
 }
 
+/// Envoy gives no body callback at the end of an answer that ends with trailers: the answer
+/// it holds is read and rewritten from the trailers' callback.
+#[test]
+fn a_json_answer_that_ends_with_trailers_is_merged_there() {
+    let answer = br#"{"id":"d","choices":[{"text":"abc"}],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":3}}}"#;
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_with_usage(1).as_bytes(), at(5));
+    s.on_response_headers(&upstream(200));
+    assert_eq!(
+        s.on_response_body(answer.len(), false),
+        BodyStep::Step(Step::new(Flow::Pause, vec![]))
+    );
+    assert_eq!(s.on_response_trailers(), BodyStep::ReadBody);
+    let step = s.on_response_body_read(answer, true);
+    let [Command::ReplaceResponseBody {
+        body, replaced_len, ..
+    }] = step.commands.as_slice()
+    else {
+        panic!("not rewritten: {:?}", step.commands);
+    };
+    assert_eq!(*replaced_len, answer.len());
+    let merged: Value = serde_json::from_slice(body).unwrap();
+    assert_eq!(merged["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
+    // Read once: trailers of an answer already rewritten change nothing.
+    assert_eq!(
+        s.on_response_trailers(),
+        BodyStep::Step(Step::new(Flow::Continue, vec![]))
+    );
+}
+
 #[test]
 fn an_answer_of_the_announced_length_is_merged_without_waiting_for_the_streams_end() {
     let answer = br#"{"id":"d","choices":[{"text":"abc"}],"usage":{"prompt_tokens":3,"completion_tokens":9,"total_tokens":12,"prompt_tokens_details":{"cached_tokens":3}}}"#;

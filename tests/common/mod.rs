@@ -42,6 +42,9 @@ pub enum DecodeRoute {
     /// To the mock decode through a cluster of the listener's own, whose stats count only
     /// that listener's decode streams.
     Counted(&'static str),
+    /// To a decode whose JSON answer ends with trailers ([`TRAILERS_ANSWER`]), through a
+    /// cluster that takes them (`enable_trailers`).
+    Trailers,
 }
 
 pub struct Listener {
@@ -189,7 +192,16 @@ pub const LISTENERS: &[Listener] = &[
         decode_route: DecodeRoute::Blackholed,
         ..plain("decode_blackholed", "")
     },
+    // Decode's answer ends with trailers (tests/one_vllm.rs).
+    Listener {
+        decode_route: DecodeRoute::Trailers,
+        ..plain("decode_trailers", "")
+    },
 ];
+
+/// What the decode of the `decode_trailers` listener answers every request with, chunked and
+/// followed by a trailer: usage as decode counts it under P/D, its whole prompt cached.
+pub const TRAILERS_ANSWER: &str = r#"{"id":"cmpl-trailers","object":"text_completion","created":0,"model":"m","choices":[{"index":0,"text":" done","finish_reason":"length"}],"usage":{"prompt_tokens":999,"total_tokens":1003,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":999}}}"#;
 
 pub struct Harness {
     pub prefill: MockServer,
@@ -353,6 +365,7 @@ fn start() -> Harness {
             blackhole: blackhole_port(),
             deaf: deaf_port(),
             late: closed_port(),
+            trailers: trailers_port(),
         };
         let envoy = start_envoy(&ports);
         sender
@@ -412,6 +425,7 @@ struct Ports {
     blackhole: u16,
     deaf: u16,
     late: u16,
+    trailers: u16,
 }
 
 /// A local port whose server takes every connection and never reads from it: what a
@@ -424,6 +438,77 @@ fn deaf_port() -> u16 {
         let mut held = Vec::new();
         for stream in listener.incoming().flatten() {
             held.push(stream);
+        }
+    });
+    port
+}
+
+/// A local port whose server answers every request with [`TRAILERS_ANSWER`], chunked and
+/// ended by a trailer, once it has read the request. Lives as long as the test process.
+fn trailers_port() -> u16 {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream);
+                loop {
+                    // Decode answers once it has the whole request: with headers passed at
+                    // once, its body comes chunked when prefill has answered.
+                    let mut length = 0usize;
+                    let mut chunked = false;
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        if let Some((name, value)) = line.split_once(':') {
+                            if name.eq_ignore_ascii_case("content-length") {
+                                length = value.trim().parse().unwrap_or(0);
+                            }
+                            if name.eq_ignore_ascii_case("transfer-encoding") {
+                                chunked = value.trim().eq_ignore_ascii_case("chunked");
+                            }
+                        }
+                    }
+                    if chunked {
+                        loop {
+                            line.clear();
+                            if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            let size = usize::from_str_radix(line.trim(), 16).unwrap_or(0);
+                            // The chunk and its CRLF; after the last one, the blank line.
+                            let mut chunk = vec![0; size + 2];
+                            if reader.read_exact(&mut chunk).is_err() {
+                                return;
+                            }
+                            if size == 0 {
+                                break;
+                            }
+                        }
+                    } else {
+                        let mut body = vec![0; length];
+                        if reader.read_exact(&mut body).is_err() {
+                            return;
+                        }
+                    }
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                         transfer-encoding: chunked\r\n\r\n{:x}\r\n{TRAILERS_ANSWER}\r\n\
+                         0\r\nx-decode-trailer: 1\r\n\r\n",
+                        TRAILERS_ANSWER.len()
+                    );
+                    if reader.get_mut().write_all(answer.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
         }
     });
     port
@@ -697,6 +782,7 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         cluster_yaml("decode_deaf", "127.0.0.1", ports.deaf),
         cluster_yaml("decode_held", "127.0.0.1", ports.decode),
         cluster_yaml("decode_late", "127.0.0.1", ports.late),
+        trailers_cluster_yaml("decode_trailers", ports.trailers),
         cluster_yaml("decode_passed", "127.0.0.1", ports.decode),
         original_dst_cluster_yaml("prefill_original_dst", "x-envoy-original-dst-host"),
         original_dst_cluster_yaml("decode_picker", "x-gateway-destination-endpoint"),
@@ -730,6 +816,28 @@ fn cluster_yaml(name: &str, address: &str, port: u16) -> String {
         - endpoint:
             address:
               socket_address: {{ address: {address}, port_value: {port} }}
+"#
+    )
+}
+
+/// A cluster whose HTTP/1 answers keep their trailers (Envoy drops them otherwise).
+fn trailers_cluster_yaml(name: &str, port: u16) -> String {
+    format!(
+        r#"  - name: {name}
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http_protocol_options: {{ enable_trailers: true }}
+    load_assignment:
+      cluster_name: {name}
+      endpoints:
+      - lb_endpoints:
+        - endpoint:
+            address:
+              socket_address: {{ address: 127.0.0.1, port_value: {port} }}
 "#
     )
 }
@@ -801,6 +909,11 @@ fn routes_yaml(route: DecodeRoute) -> String {
         DecodeRoute::Deaf => {
             r#"              - match: { prefix: "/" }
                 route: { cluster: decode_deaf, timeout: 0s }
+"#
+        }
+        DecodeRoute::Trailers => {
+            r#"              - match: { prefix: "/" }
+                route: { cluster: decode_trailers, timeout: 0s }
 "#
         }
         DecodeRoute::ByPickerHeader => {
