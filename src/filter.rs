@@ -845,7 +845,7 @@ impl Context for PdRequest {
         }
         let awaits_decode = self.request.session.borrow().awaits_decode_answer();
         let clock = Clock::default();
-        let release = if awaits_decode {
+        let mut commands = if awaits_decode {
             self.request
                 .session
                 .borrow_mut()
@@ -854,9 +854,9 @@ impl Context for PdRequest {
             Vec::new()
         };
         self.request.alive.set(false);
-        self.request.session.borrow_mut().on_stream_done();
+        commands.extend(self.request.session.borrow_mut().on_stream_done());
         self.worker
-            .act_on(&self.request, release, In::Request, &clock);
+            .act_on(&self.request, commands, In::Request, &clock);
         true
     }
 }

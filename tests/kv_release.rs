@@ -13,6 +13,7 @@ use serde_json::{json, Value};
 const COMPLETIONS: &str = "/v1/completions";
 const KV_RELEASED: &str = r#"pd_filter_kv_releases{outcome="released"}"#;
 const KV_DROPPED: &str = r#"pd_filter_kv_releases{outcome="dropped"}"#;
+const ABANDONED: &str = r#"pd_filter_requests{api="completions",outcome="abandoned"}"#;
 
 /// The ledger is the mock's, shared by every test here: one test at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -116,6 +117,7 @@ async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
     let _serial = SERIAL.lock().await;
     let h = harness();
     let released_before = releases_from_a_clean_ledger().await;
+    let abandoned_before = h.counter(ABANDONED);
     // The clients leave while prefill works.
     let ids = clients_that_leave(100, "default", "left early mock:prefill_delay_ms=1500").await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -137,6 +139,8 @@ async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
     }
     assert_eq!(h.counter(KV_RELEASED), released_before + 100);
     assert_eq!(h.counter(KV_DROPPED), 0);
+    // Each counted once, by how it ended.
+    assert_eq!(h.counter(ABANDONED), abandoned_before + 100);
     assert_filter_healthy();
     assert_envoy_log_clean();
 }

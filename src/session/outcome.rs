@@ -13,15 +13,19 @@ pub enum Outcome {
     PrefillFailed,
     /// Answered 503 because the filter held as much as it may (`max_vm_held_bytes`).
     Overloaded,
+    /// The stream ended while prefill ran: the client left, or Envoy ended the stream (a
+    /// timeout of its own).
+    Abandoned,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 5] = [
+    pub const ALL: [Outcome; 6] = [
         Outcome::Decoded,
         Outcome::DecodeOnly,
         Outcome::ClientError,
         Outcome::PrefillFailed,
         Outcome::Overloaded,
+        Outcome::Abandoned,
     ];
 
     pub fn name(self) -> &'static str {
@@ -31,6 +35,7 @@ impl Outcome {
             Outcome::ClientError => "client_error",
             Outcome::PrefillFailed => "prefill_failed",
             Outcome::Overloaded => "overloaded",
+            Outcome::Abandoned => "abandoned",
         }
     }
 }

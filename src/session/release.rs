@@ -29,26 +29,34 @@ pub(super) struct UnreadKv {
 
 impl Session {
     /// The client went away, or the stream ended: prefill work still under way is released
-    /// when it answers. A request already with decode needs nothing: decode has its KV.
-    pub fn on_stream_done(&mut self) {
+    /// when it answers, and the request counted as abandoned. A request already with decode
+    /// needs nothing: decode has its KV.
+    pub fn on_stream_done(&mut self) -> Vec<Command> {
         if self.prefill_running() {
             self._abandoned_mark = self
                 .client
                 .as_deref()
                 .map(|client| self.abandoned.mark(client));
         }
-        self.state = match std::mem::replace(&mut self.state, State::Finished) {
-            State::Dispatching(prefill) => State::Abandoned {
-                prefill,
-                token: None,
-            },
-            State::AwaitingPrefill { prefill, token } => State::Abandoned {
-                prefill,
-                token: Some(token),
-            },
-            abandoned @ State::Abandoned { .. } => abandoned,
-            _ => State::Finished,
+        let (state, abandoned) = match std::mem::replace(&mut self.state, State::Finished) {
+            State::Dispatching(prefill) => {
+                let api = prefill.api;
+                let token = None;
+                (State::Abandoned { prefill, token }, Some(api))
+            }
+            State::AwaitingPrefill { prefill, token } => {
+                let api = prefill.api;
+                let token = Some(token);
+                (State::Abandoned { prefill, token }, Some(api))
+            }
+            abandoned @ State::Abandoned { .. } => (abandoned, None),
+            _ => (State::Finished, None),
         };
+        self.state = state;
+        abandoned
+            .map(|api| Command::Record(Metric::Request(api, Outcome::Abandoned)))
+            .into_iter()
+            .collect()
     }
 
     /// Whether the client's address is wanted now that the client is leaving, before

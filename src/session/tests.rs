@@ -599,7 +599,12 @@ fn answer_retrying(
 #[test]
 fn a_client_that_leaves_during_prefill_has_its_kv_released() {
     let mut s = prefilling("");
-    s.on_stream_done();
+    assert_eq!(
+        metrics(&s.on_stream_done()),
+        vec![Metric::Request(Api::Completions, Outcome::Abandoned)],
+        "counted once, as it leaves"
+    );
+    assert!(s.on_stream_done().is_empty());
     let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(900));
     let release = released(&commands);
     let kv: Value = serde_json::from_str(KV).unwrap();
@@ -635,7 +640,7 @@ fn a_client_that_leaves_during_prefill_has_its_kv_released() {
     // Gone before the call went out: released once it answers.
     let mut s = session("");
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
-    s.on_stream_done();
+    assert_eq!(s.on_stream_done().len(), 1);
     assert!(s.on_prefill_dispatched(Some(3), at(1)).is_empty());
     released(&s.on_prefill_answer(3, Some(200), prefill_ok().as_bytes(), at(2)));
 
