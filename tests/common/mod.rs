@@ -822,23 +822,17 @@ fn cluster_yaml(name: &str, address: &str, port: u16) -> String {
 
 /// A cluster whose HTTP/1 answers keep their trailers (Envoy drops them otherwise).
 fn trailers_cluster_yaml(name: &str, port: u16) -> String {
-    format!(
-        r#"  - name: {name}
-    type: STATIC
-    connect_timeout: 1s
-    typed_extension_protocol_options:
+    let cluster = cluster_yaml(name, "127.0.0.1", port);
+    let options = r#"    typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config:
-          http_protocol_options: {{ enable_trailers: true }}
-    load_assignment:
-      cluster_name: {name}
-      endpoints:
-      - lb_endpoints:
-        - endpoint:
-            address:
-              socket_address: {{ address: 127.0.0.1, port_value: {port} }}
-"#
+          http_protocol_options: { enable_trailers: true }
+"#;
+    cluster.replacen(
+        "    load_assignment:\n",
+        &format!("{options}    load_assignment:\n"),
+        1,
     )
 }
 
