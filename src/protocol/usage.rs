@@ -320,7 +320,8 @@ fn replace_member(
     if replacement == value {
         return None;
     }
-    let mut out = Vec::with_capacity(object.len() - range.len() + replacement.len());
+    let kept = object.len().saturating_sub(range.len());
+    let mut out = Vec::with_capacity(kept.saturating_add(replacement.len()));
     out.extend_from_slice(object.get(..range.start)?);
     out.extend_from_slice(&replacement);
     out.extend_from_slice(object.get(range.end..)?);
