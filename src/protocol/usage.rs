@@ -182,8 +182,9 @@ pub fn decode_counts_prefills_hits(kv_transfer_params: &[u8]) -> bool {
             .is_some()
 }
 
-/// A usage object with prefill's prompt counts; `None` when it is not one to change. Members
-/// keep their order and spelling; only the counts change (or are added where missing).
+/// A usage object with prefill's prompt counts; `None` when it is not one to change, or has
+/// them already. Members keep their order and spelling; only the counts change (or are added
+/// where missing).
 fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
     let fields = fields(api)?;
     let object = JsonObject::parse(usage).ok()?;
@@ -218,7 +219,12 @@ fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>>
             values.push((name, &details_without_hits));
         }
     }
-    Some(with_values(&object, &values))
+    // Often every count is already prefill's (vLLM by default reports no details on either
+    // leg, and both count the same prompt): then the usage is not written again.
+    let unchanged = values
+        .iter()
+        .all(|(key, value)| object.last_value(key) == Some(*value));
+    (!unchanged).then(|| with_values(&object, &values))
 }
 
 /// A count written in decimal, without the formatting machinery or an allocation.
