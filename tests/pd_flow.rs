@@ -172,6 +172,70 @@ async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
     }
 }
 
+/// A request vLLM would refuse only for the fields prefill's copy changes (its limit, its
+/// minimum, `n`, `store`) gets vLLM's own 400, with the field named, before prefill spends a
+/// prompt's compute on it; decode would have refused it after.
+#[tokio::test]
+async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
+    let h = harness();
+    for (label, path, body, message, param) in [
+        (
+            "min-over-max",
+            COMPLETIONS,
+            r#"{"prompt":"a b","max_tokens":4,"min_tokens":5}"#,
+            "min_tokens must be less than or equal to max_tokens=4, got 5.",
+            "min_tokens",
+        ),
+        (
+            "min-over-default",
+            COMPLETIONS,
+            r#"{"prompt":"a b","min_tokens":20}"#,
+            "min_tokens must be less than or equal to max_tokens=16, got 20.",
+            "min_tokens",
+        ),
+        (
+            "zero-limit",
+            CHAT,
+            r#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":-2}"#,
+            "max_tokens must be at least 1, got -2.",
+            "max_tokens",
+        ),
+        (
+            "no-choices",
+            CHAT,
+            r#"{"messages":[{"role":"user","content":"hi"}],"n":0}"#,
+            "n must be at least 1, got 0.",
+            "n",
+        ),
+        (
+            "zero-output",
+            RESPONSES,
+            r#"{"input":"hi","max_output_tokens":0}"#,
+            "max_tokens must be at least 1, got 0.",
+            "max_tokens",
+        ),
+        (
+            "background-unstored",
+            RESPONSES,
+            r#"{"input":"hi","background":true,"store":false}"#,
+            "background can only be used when `store` is true",
+            "background",
+        ),
+    ] {
+        let id = unique_id(label);
+        let reply = assert_refused("default", path, &id, body, 400, message).await;
+        let error = &reply.json()["error"];
+        assert_eq!(error["message"], message, "{label}");
+        assert_eq!(error["type"], "BadRequestError", "{label}");
+        assert_eq!(error["param"], param, "{label}");
+        assert_eq!(error["code"], 400, "{label}");
+        assert!(
+            h.prefill_requests(&id).is_empty(),
+            "{label}: prefill was called"
+        );
+    }
+}
+
 /// vLLM 0.11 answers a non-streamed one-token `"required"` tool choice with a 400 (it reads
 /// the text as a whole list of calls): prefill gets the first tool by name, decode the
 /// client's choice.

@@ -9,6 +9,8 @@ pub struct ClientError {
     pub status: u16,
     pub error_type: String,
     pub message: String,
+    /// The request field the error is about, as vLLM names it in `error.param`.
+    pub param: Option<&'static str>,
     /// An upstream's own error body, answered as it was written instead of ours.
     pub verbatim: Option<Vec<u8>>,
     /// Sent as `retry-after`: how long a client waits before it tries again.
@@ -21,6 +23,7 @@ impl ClientError {
             status,
             error_type: default_error_type(status).to_owned(),
             message: message.into(),
+            param: None,
             verbatim: None,
             retry_after_seconds: None,
         }
@@ -44,6 +47,14 @@ impl ClientError {
 
     pub fn bad_request(message: impl Into<String>) -> ClientError {
         ClientError::new(400, message)
+    }
+
+    /// A 400 about one field of the request, named as vLLM names it.
+    pub fn invalid_field(param: &'static str, message: impl Into<String>) -> ClientError {
+        ClientError {
+            param: Some(param),
+            ..ClientError::bad_request(message)
+        }
     }
 
     pub fn payload_too_large(limit: usize) -> ClientError {
@@ -144,14 +155,14 @@ impl ClientError {
             message: &'a str,
             #[serde(rename = "type")]
             error_type: &'a str,
-            param: Option<()>,
+            param: Option<&'a str>,
             code: u16,
         }
         let envelope = Envelope {
             error: Detail {
                 message: &self.message,
                 error_type: &self.error_type,
-                param: None,
+                param: self.param,
                 code: self.status,
             },
         };

@@ -5,6 +5,7 @@
 
 pub mod errors;
 pub mod kv_release;
+pub mod limits;
 pub mod paths;
 pub mod prefill_answer;
 pub mod prompt_logprobs;

@@ -176,6 +176,7 @@ pub fn read_prefill_answer(status: Option<u16>, body: &[u8]) -> PrefillAnswer<'_
                     // The log names the leg; the client gets vLLM's own error, as a single
                     // vLLM would have answered it.
                     message: format!("prefill rejected the request ({status}): {message}"),
+                    param: None,
                     verbatim: vllm_error_body(body),
                     retry_after_seconds: None,
                 },

@@ -8,6 +8,7 @@ use crate::api::Api;
 use crate::json::{array_elements, Edit, JsonErrorKind, JsonObject, Splice};
 
 use super::errors::ClientError;
+use super::limits;
 
 pub const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
 
@@ -284,6 +285,7 @@ pub fn prepare_with(
             )));
         }
     }
+    limits::refuse_what_vllm_refuses(api, &object)?;
     // What pydantic reads: whether the answer is streamed.
     let streamed = object.is_true("stream");
     // A stream carries no prompt logprobs: vLLM computes them (without its prefix cache)
@@ -549,7 +551,7 @@ fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
 /// Whether a JSON value is true to Python (`bool(value)`), as vLLM's checks of the raw
 /// request read it: not null, false, zero, or an empty string, array or object. `value` is
 /// valid JSON (the body was validated); it is read without building it, whatever its size.
-fn truthy(value: &[u8]) -> bool {
+pub(super) fn truthy(value: &[u8]) -> bool {
     let inner = |open: u8, close: u8| {
         value
             .strip_prefix(&[open])
@@ -1002,7 +1004,7 @@ mod tests {
 
     #[test]
     fn min_tokens_without_max_tokens_is_removed_and_max_tokens_added() {
-        let body = r#"{"prompt":"hi","min_tokens":200,"min_completion_tokens":3}"#;
+        let body = r#"{"prompt":"hi","min_tokens":12,"min_completion_tokens":3}"#;
         assert_eq!(
             prefill_json(Api::Completions, body),
             json!({"prompt":"hi","max_tokens":1,"stream":false,"kv_transfer_params":remote_decode()})

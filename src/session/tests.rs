@@ -785,8 +785,9 @@ fn an_answer_envoy_made_before_any_decode_connection_releases_the_kv() {
 
 #[test]
 fn kv_is_released_when_decode_refuses_a_request_prefill_served() {
-    // Prefill served one capped token; decode checks the client's own limits and says 400.
-    let mut s = prefilling_body("", r#"{"prompt":"x","max_tokens":1,"min_tokens":5}"#);
+    // Prefill served one capped token; decode checks the client's own limits against the
+    // context left after the prompt, which only it knows, and says 400.
+    let mut s = prefilling_body("", r#"{"prompt":"x","max_tokens":8,"min_tokens":5}"#);
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(s.wants_response_details(Some(400)));
     let release = released(&s.on_response_headers(&upstream(400)).commands);

@@ -1,0 +1,324 @@
+//! vLLM's own checks of the fields prefill's copy of a request changes: the generation limit,
+//! `min_tokens`, `n`, and `store` on the Responses API. Prefill's copy always passes them (one
+//! token, no minimum, one choice, nothing stored), so a request that fails one would cost a
+//! whole prefill, and then a KV release, before decode refused it. The filter refuses such a
+//! request itself, in vLLM's words. Only what the request alone settles is checked: values
+//! written as plain JSON integers, limits vLLM does not lower further. Anything else is left
+//! for vLLM to judge.
+
+use crate::api::Api;
+use crate::json::JsonObject;
+
+use super::errors::ClientError;
+use super::rewrite::truthy;
+
+/// `max_tokens` when a completions request has none (vLLM's `CompletionRequest`).
+const COMPLETIONS_DEFAULT_MAX_TOKENS: i64 = 16;
+
+/// The 400 vLLM answers a request with, when prefill's copy would pass where the client's
+/// request fails.
+pub fn refuse_what_vllm_refuses(api: Api, object: &JsonObject) -> Result<(), ClientError> {
+    match api {
+        Api::Completions | Api::ChatCompletions => {
+            check_n(object)?;
+            let limit = match api {
+                Api::Completions => completions_limit(object),
+                _ => chat_limit(object),
+            };
+            check_limit(limit)?;
+            check_min_tokens(object, limit)
+        }
+        Api::Responses => {
+            check_limit(integer(object, "max_output_tokens"))?;
+            check_background(object)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A member written as a plain JSON integer (what pydantic reads as one without doubt).
+fn integer(object: &JsonObject, key: &str) -> Option<i64> {
+    let value = object.last_value(key)?;
+    let digits = value.strip_prefix(b"-").unwrap_or(value);
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
+
+/// The limit a completions request sets: its `max_tokens`, 16 when it has none. vLLM takes
+/// `max_tokens: 0` with `echo` as "the prompt only", so such a request sets none here.
+fn completions_limit(object: &JsonObject) -> Option<i64> {
+    if !object.has("max_tokens") {
+        return Some(COMPLETIONS_DEFAULT_MAX_TOKENS);
+    }
+    let limit = integer(object, "max_tokens")?;
+    let echoes = object.last_value("echo").is_some_and(truthy);
+    (limit != 0 || !echoes).then_some(limit)
+}
+
+/// The limit a chat request sets, read as vLLM reads it: `max_completion_tokens or
+/// max_tokens` (Python's `or`: a `max_completion_tokens` of 0 or null gives way).
+fn chat_limit(object: &JsonObject) -> Option<i64> {
+    let newer = object.last_value("max_completion_tokens");
+    if newer.is_some_and(|value| value != b"null" && value != b"0") {
+        return integer(object, "max_completion_tokens");
+    }
+    integer(object, "max_tokens")
+}
+
+fn check_limit(limit: Option<i64>) -> Result<(), ClientError> {
+    match limit {
+        Some(limit) if limit < 1 => Err(ClientError::invalid_field(
+            "max_tokens",
+            format!("max_tokens must be at least 1, got {limit}."),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `min_tokens`, which prefill's copy leaves out, against the request's own limit. vLLM may
+/// lower that limit further (to the context left after the prompt, or the model's default),
+/// which only the worker knows.
+fn check_min_tokens(object: &JsonObject, limit: Option<i64>) -> Result<(), ClientError> {
+    let Some(min_tokens) = integer(object, "min_tokens") else {
+        return Ok(());
+    };
+    if min_tokens < 0 {
+        return Err(ClientError::invalid_field(
+            "min_tokens",
+            format!("min_tokens must be greater than or equal to 0, got {min_tokens}."),
+        ));
+    }
+    match limit {
+        Some(limit) if min_tokens > limit => Err(ClientError::invalid_field(
+            "min_tokens",
+            format!(
+                "min_tokens must be less than or equal to max_tokens={limit}, got {min_tokens}."
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `n`, which prefill's copy sets to 1.
+fn check_n(object: &JsonObject) -> Result<(), ClientError> {
+    match integer(object, "n") {
+        Some(n) if n < 1 => Err(ClientError::invalid_field(
+            "n",
+            format!("n must be at least 1, got {n}."),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `background` needs `store` (vLLM's `validate_background`, which reads the raw values:
+/// any true `background`, and a `store` given as false or 0; a null `store` is the default,
+/// true, in current vLLM). Prefill's copy stores nothing and runs in the foreground.
+fn check_background(object: &JsonObject) -> Result<(), ClientError> {
+    let background = object.last_value("background").is_some_and(truthy);
+    let no_store = object
+        .last_value("store")
+        .is_some_and(|store| store != b"null" && !truthy(store));
+    if background && no_store {
+        return Err(ClientError::invalid_field(
+            "background",
+            "background can only be used when `store` is true",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(api: Api, body: &str) -> Result<(), ClientError> {
+        let object =
+            JsonObject::parse(body.as_bytes()).map_err(|_| ClientError::internal("json"))?;
+        refuse_what_vllm_refuses(api, &object)
+    }
+
+    fn refusal(api: Api, body: &str) -> (Option<&'static str>, String) {
+        match check(api, body) {
+            Err(error) => {
+                assert_eq!(error.status, 400, "{body}");
+                (error.param, error.message)
+            }
+            Ok(()) => panic!("not refused: {body}"),
+        }
+    }
+
+    #[test]
+    fn a_minimum_above_the_requests_own_limit_is_refused_in_vllms_words() {
+        let cases = [
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":4,"min_tokens":5}"#,
+                4,
+                5,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","min_tokens":20}"#,
+                16,
+                20,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_tokens":3,"min_tokens":9}"#,
+                3,
+                9,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_tokens":50,"max_completion_tokens":3,"min_tokens":9}"#,
+                3,
+                9,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_completion_tokens":0,"max_tokens":2,"min_tokens":9}"#,
+                2,
+                9,
+            ),
+        ];
+        for (api, body, limit, minimum) in cases {
+            let (param, message) = refusal(api, body);
+            assert_eq!(param, Some("min_tokens"));
+            assert_eq!(
+                message,
+                format!(
+                    "min_tokens must be less than or equal to max_tokens={limit}, got {minimum}."
+                )
+            );
+        }
+        let (_, message) = refusal(Api::Completions, r#"{"prompt":"hi","min_tokens":-1}"#);
+        assert_eq!(
+            message,
+            "min_tokens must be greater than or equal to 0, got -1."
+        );
+    }
+
+    #[test]
+    fn limits_below_one_and_no_choices_are_refused() {
+        let cases = [
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":0}"#,
+                "max_tokens",
+                "max_tokens must be at least 1, got 0.",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_completion_tokens":-3}"#,
+                "max_tokens",
+                "max_tokens must be at least 1, got -3.",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_tokens":0}"#,
+                "max_tokens",
+                "max_tokens must be at least 1, got 0.",
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"hi","max_output_tokens":0}"#,
+                "max_tokens",
+                "max_tokens must be at least 1, got 0.",
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","n":0}"#,
+                "n",
+                "n must be at least 1, got 0.",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"n":-1}"#,
+                "n",
+                "n must be at least 1, got -1.",
+            ),
+        ];
+        for (api, body, param, message) in cases {
+            assert_eq!(
+                refusal(api, body),
+                (Some(param), message.to_owned()),
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn background_without_store_is_refused_on_responses() {
+        for body in [
+            r#"{"input":"hi","background":true,"store":false}"#,
+            r#"{"input":"hi","background":1,"store":0}"#,
+        ] {
+            let (param, message) = refusal(Api::Responses, body);
+            assert_eq!(param, Some("background"));
+            assert_eq!(message, "background can only be used when `store` is true");
+        }
+    }
+
+    #[test]
+    fn what_the_request_alone_does_not_settle_is_left_to_vllm() {
+        let cases = [
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":5,"min_tokens":5}"#,
+            ),
+            (Api::Completions, r#"{"prompt":"hi","min_tokens":16}"#),
+            // The prompt alone, with its logprobs: vLLM's way of scoring a text.
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":0,"echo":true}"#,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":null,"min_tokens":500}"#,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":"2","min_tokens":5}"#,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":2.0,"min_tokens":5}"#,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":4,"min_tokens":5.5}"#,
+            ),
+            (Api::Completions, r#"{"prompt":"hi","n":"0"}"#),
+            // Chat without a limit: vLLM's is the context left, which only it knows.
+            (Api::ChatCompletions, r#"{"messages":[],"min_tokens":5000}"#),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_completion_tokens":null,"min_tokens":9}"#,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_completion_tokens":0}"#,
+            ),
+            (Api::Responses, r#"{"input":"hi","max_output_tokens":1}"#),
+            (
+                Api::Responses,
+                r#"{"input":"hi","background":true,"store":null}"#,
+            ),
+            (Api::Responses, r#"{"input":"hi","background":true}"#),
+            (
+                Api::Responses,
+                r#"{"input":"hi","background":false,"store":false}"#,
+            ),
+            (Api::Messages, r#"{"messages":[],"max_tokens":0}"#),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":99999999999999999999999,"min_tokens":5}"#,
+            ),
+        ];
+        for (api, body) in cases {
+            assert!(check(api, body).is_ok(), "{body}");
+        }
+    }
+}
