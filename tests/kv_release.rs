@@ -383,6 +383,25 @@ async fn decode_that_is_not_serving_strands_no_kv() {
 }
 
 #[tokio::test]
+async fn decode_that_fails_with_a_5xx_strands_no_kv() {
+    let _serial = SERIAL.lock().await;
+    // An engine that failed may have failed before it read the KV: the client gets decode's
+    // error as it was written, and the KV is released.
+    for status in [500, 502] {
+        let id = unique_id(&format!("decode-{status}"));
+        let reply = post(
+            "default",
+            &id,
+            &format!("failing mock:decode_status={status}"),
+        )
+        .send()
+        .await;
+        assert_eq!(reply.status, status, "{}", reply.body);
+        assert_released_once(&id).await;
+    }
+}
+
+#[tokio::test]
 async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
     let _serial = SERIAL.lock().await;
     let h = harness();

@@ -26,14 +26,15 @@ pub fn decode_will_not_read(code_details: &str) -> bool {
     code_details != "via_upstream" && NOT_READ.iter().any(|what| code_details.contains(what))
 }
 
-/// Whether decode itself refused the request: a 4xx of its own, or a 503. vLLM checks a
-/// request in its API server, before the engine that would read prefill's KV ever sees it. A
-/// body that prefill served one capped token of can still fail decode's checks (`min_tokens`
-/// above a small `max_tokens`, a limit past the context), and its KV would wait for
-/// prefill's timeout. vLLM answers 503 only when it is not serving (scaling, shutting down),
-/// also before its engine.
+/// Whether decode answered an error of its own (4xx or 5xx), after which the KV prefill made
+/// may still wait. vLLM checks a request in its API server, before the engine that would read
+/// prefill's KV ever sees it: a body that prefill served one capped token of can still fail
+/// decode's checks (a limit past the context), and vLLM answers 503 when it is not serving.
+/// A 500 (an engine that failed or died) may come before the read or after it. Releasing KV
+/// decode already read costs a decode worker one token; KV left waiting holds prefill's
+/// blocks until vLLM's abort timeout (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, minutes).
 pub fn decode_refused(status: Option<u16>, code_details: Option<&str>) -> bool {
-    status.is_some_and(|status| (400..500).contains(&status) || status == 503)
+    status.is_some_and(|status| (400..600).contains(&status))
         && code_details == Some("via_upstream")
 }
 
@@ -96,11 +97,13 @@ mod tests {
     }
 
     #[test]
-    fn a_4xx_decode_wrote_itself_left_the_kv_unread() {
+    fn an_error_decode_wrote_itself_may_have_left_the_kv_unread() {
         assert!(decode_refused(Some(400), Some("via_upstream")));
         assert!(decode_refused(Some(415), Some("via_upstream")));
         assert!(decode_refused(Some(503), Some("via_upstream")));
-        // Envoy's own 4xx or 503, an answer without details, a success or another 5xx: not
+        assert!(decode_refused(Some(500), Some("via_upstream")));
+        assert!(decode_refused(Some(502), Some("via_upstream")));
+        // Envoy's own 4xx or 503, an answer without details, a success or no status: not
         // decode's refusal.
         assert!(!decode_refused(Some(503), Some("no_healthy_upstream")));
         assert!(!decode_refused(
@@ -109,7 +112,6 @@ mod tests {
         ));
         assert!(!decode_refused(Some(400), None));
         assert!(!decode_refused(Some(200), Some("via_upstream")));
-        assert!(!decode_refused(Some(500), Some("via_upstream")));
         assert!(!decode_refused(None, Some("via_upstream")));
     }
 

@@ -175,7 +175,7 @@ impl Session {
             let reason = if not_read {
                 Some("decode was not reached, or went before it answered")
             } else if decode_refused(head.status, head.code_details) {
-                Some("decode refused the request")
+                Some("decode answered an error")
             } else {
                 None
             };
