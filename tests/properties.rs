@@ -215,13 +215,37 @@ fn prepared_unless_several_prompts(api: Api, text: &str) -> Option<PreparedReque
             assert!(
                 (api == Api::Completions && several)
                     || options_without_stream
-                    || streamed_prompt_logprobs,
+                    || streamed_prompt_logprobs
+                    || vllm_refuses_the_limits(api, &object),
                 "refused: {text}: {}",
                 error.message
             );
             None
         }
     }
+}
+
+/// What vLLM refuses in the fields prefill's copy changes, where the request's own plain
+/// integers settle it: `n` or the limit below 1, `min_tokens` below 0 or above the limit
+/// (completions: `max_tokens`, 16 when absent; chat: `max_completion_tokens or max_tokens`
+/// in Python's sense), `max_output_tokens` below 1 on responses.
+fn vllm_refuses_the_limits(api: Api, object: &Map<String, Value>) -> bool {
+    let int = |key: &str| object.get(key).and_then(Value::as_i64);
+    let limit = match api {
+        Api::Completions if !object.contains_key("max_tokens") => Some(16),
+        Api::Completions => int("max_tokens"),
+        Api::ChatCompletions => match object.get("max_completion_tokens") {
+            None | Some(Value::Null) => int("max_tokens"),
+            Some(_) if int("max_completion_tokens") == Some(0) => int("max_tokens"),
+            Some(_) => int("max_completion_tokens"),
+        },
+        Api::Responses => return int("max_output_tokens").is_some_and(|limit| limit < 1),
+        _ => return false,
+    };
+    let minimum = int("min_tokens");
+    int("n").is_some_and(|n| n < 1)
+        || limit.is_some_and(|limit| limit < 1)
+        || minimum.is_some_and(|minimum| minimum < 0 || limit.is_some_and(|limit| minimum > limit))
 }
 
 fn parse_last_wins(text: &[u8]) -> Map<String, Value> {

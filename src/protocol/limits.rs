@@ -60,11 +60,13 @@ fn completions_limit(object: &JsonObject) -> Option<i64> {
 /// The limit a chat request sets, read as vLLM reads it: `max_completion_tokens or
 /// max_tokens` (Python's `or`: a `max_completion_tokens` of 0 or null gives way).
 fn chat_limit(object: &JsonObject) -> Option<i64> {
-    let newer = object.last_value("max_completion_tokens");
-    if newer.is_some_and(|value| value != b"null" && value != b"0") {
-        return integer(object, "max_completion_tokens");
+    let newer = object
+        .last_value("max_completion_tokens")
+        .filter(|value| *value != b"null");
+    match newer.map(|_| integer(object, "max_completion_tokens")) {
+        None | Some(Some(0)) => integer(object, "max_tokens"),
+        Some(limit) => limit,
     }
-    integer(object, "max_tokens")
 }
 
 fn check_limit(limit: Option<i64>) -> Result<(), ClientError> {
@@ -178,7 +180,7 @@ mod tests {
             ),
             (
                 Api::ChatCompletions,
-                r#"{"messages":[],"max_completion_tokens":0,"max_tokens":2,"min_tokens":9}"#,
+                r#"{"messages":[],"max_completion_tokens":-0,"max_tokens":2,"min_tokens":9}"#,
                 2,
                 9,
             ),
