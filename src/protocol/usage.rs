@@ -305,7 +305,8 @@ fn with_values(object: &JsonObject, values: &[(&str, &[u8])]) -> Vec<u8> {
 }
 
 /// `object` with its member `key` (an object) replaced by `rewrite` of it; `None` when it has
-/// no such member or the rewrite changes nothing.
+/// no such member or `rewrite` gives `None`, which it does for a value it would not change
+/// (the two are not compared: in wasm that is a byte-by-byte pass).
 fn replace_member(
     object: &[u8],
     key: &str,
@@ -321,11 +322,6 @@ fn replace_member(
         return None;
     }
     let replacement = rewrite(value)?;
-    // Often nothing changes (vLLM by default reports no cached_tokens on either leg, and
-    // both count the same prompt): the answer is not written again.
-    if replacement == value {
-        return None;
-    }
     let kept = object.len().saturating_sub(range.len());
     let mut out = Vec::with_capacity(kept.saturating_add(replacement.len()));
     out.extend_from_slice(object.get(..range.start)?);

@@ -346,9 +346,9 @@ impl Session {
                 });
             }
         }
-        // Often nothing changed (vLLM by default reports no cached_tokens on either leg, and
-        // both count the same prompt): the answer is not written back.
-        let rewritten = rewritten.filter(|rewritten| rewritten.as_slice() != body);
+        // A rewrite is never decode's answer again: the merges give `None` for an answer
+        // whose usage already has prefill's counts. (Comparing the two here would cost a
+        // byte-by-byte pass over the answer in wasm, whose `memcmp` is a plain loop.)
         let rewritten = rewritten.filter(|rewritten| {
             let fits = rewritten.len() <= limit;
             if !fits {

@@ -13,9 +13,11 @@
 //! or, when the body has `"stream":true`, server-sent events as vLLM writes them (a role
 //! chunk, one chunk per word, the chunk with the finish reason, the usage chunk when
 //! `"include_usage":true`, `[DONE]`), in one piece but without content-length (chunked, as
-//! vLLM sends a stream, which a filter may rewrite on the way). Decode's usage counts the
-//! prompt as a quarter of the body's bytes, all of it cached when prefill's KV came with the
-//! request (vLLM counts pulled KV as a prefix-cache hit).
+//! vLLM sends a stream, which a filter may rewrite on the way). Every answer counts the
+//! prompt as one token, as prefill's does (both legs of a request count the same prompt, as
+//! vLLM's do; counts that differ make the filter log a warning per request); the stream's
+//! usage chunk counts it as cached when prefill's KV came with the request (vLLM counts
+//! pulled KV as a prefix-cache hit), so that the filter's merge has a count to change.
 //! With `BENCH_STREAM_BY_EVENT` set, a stream goes out one event per write, as a generating
 //! vLLM sends it, so that a filter sees one chunk per event.
 //! `GET /stats` counts what it saw, so the bench can check that decode received the KV
@@ -48,6 +50,8 @@ const REMOTE_DECODE: &[u8] = br#""do_remote_decode":true"#;
 const ENGINE: &[u8] = br#""remote_engine_id":"bench-engine""#;
 const STREAM: &[u8] = br#""stream":true"#;
 const INCLUDE_USAGE: &[u8] = br#""include_usage":true"#;
+/// The prompt's length in tokens in every answer's usage, prefill's too.
+const PROMPT_TOKENS: usize = 1;
 
 const DECODE_ANSWER: &[u8] = br#"{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant","content":"The answer is forty-two, as computed by the bench backend."},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":12,"total_tokens":13}}"#;
 
@@ -284,7 +288,7 @@ async fn handle(request: Request<Incoming>) -> Result<Response<OnePiece>, Infall
         DECODE_WITHOUT_KV.fetch_add(1, Ordering::Relaxed);
     }
     if contains_quoted(&body, STREAM) {
-        let prompt_tokens = body.len() / 4;
+        let prompt_tokens = PROMPT_TOKENS;
         let cached_tokens = if with_kv { prompt_tokens } else { 0 };
         let include_usage = contains_quoted(&body, INCLUDE_USAGE);
         return Ok(events(stream_answer(
