@@ -3,15 +3,18 @@
 //! only `kv_transfer_params` changed (and prompt logprobs it cannot compute removed), and
 //! prefill gets every limit capped and the rewrite rules applied; the scanner's SIMD
 //! mask of string bytes marks exactly what its portable one does; the quick look for one
-//! member of decode's answer finds what the validating scanner finds.
+//! member of decode's answer finds what the validating scanner finds; a stream cut into any
+//! chunks reaches the client as it would whole, only its usage chunk changed.
 //!
 //! `PD_PROPTEST_CASES` sets the number of cases per property (default 2,000).
 
 use pd_filter::api::Api;
+use pd_filter::held_bytes::HeldBytes;
 use pd_filter::json::{
     find_top_level_member, special_mask, special_mask_bytewise, JsonObject, MemberSearch,
 };
 use pd_filter::protocol::rewrite::REMOTE_DECODE_REQUEST;
+use pd_filter::protocol::usage::{prompt_usage_for_decode, EventStream, Rewritten};
 use pd_filter::protocol::{prepare, read_prefill_answer, PreparedRequest};
 use proptest::prelude::*;
 use serde_json::{Map, Value};
@@ -545,4 +548,100 @@ fn check_prefill(api: Api, text: &str) -> Result<(), TestCaseError> {
         }
     }
     Ok(())
+}
+
+/// One server-sent event of a chat stream as vLLM writes it, ended by a blank line in one of
+/// the three spellings the SSE format allows: a token, the usage chunk, a comment, `[DONE]`.
+fn stream_event() -> impl Strategy<Value = String> {
+    let body = prop_oneof![
+        4 => "[a-z \u{e9}]{0,12}".prop_map(|word| format!(
+            r#"data: {{"id":"c","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"{word}"}}}}]}}"#
+        )),
+        1 => (1u64..5000, 0u64..5000).prop_map(|(prompt, cached)| format!(
+            r#"data: {{"id":"c","choices":[],"usage":{{"prompt_tokens":{prompt},"completion_tokens":3,"total_tokens":{},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#,
+            prompt + 3
+        )),
+        1 => Just(": ping".to_owned()),
+        1 => Just(r#"data: {"usage":null,"choices":[]}"#.to_owned()),
+    ];
+    (body, prop::sample::select(vec!["\n", "\r\n", "\r"]))
+        .prop_map(|(body, newline)| format!("{body}{newline}{newline}"))
+}
+
+/// What the client gets for a stream fed to the rewriter in chunks ending at `cuts`. After
+/// each chunk, the rewriter holds back no more than the part of an event whose end has not
+/// come (`event_ends`: where each event of the stream ends): every whole event goes on at once.
+fn streamed_in_chunks(stream: &[u8], event_ends: &[usize], cuts: &[usize]) -> Vec<u8> {
+    let usage = br#"{"prompt_tokens":7,"completion_tokens":1,"total_tokens":8,"prompt_tokens_details":{"cached_tokens":2}}"#;
+    let prompt = prompt_usage_for_decode(Api::ChatCompletions, usage, b"{}").expect("counts");
+    let mut events = EventStream::new(HeldBytes::new(usize::MAX), usize::MAX);
+    let mut ends: Vec<usize> = cuts.iter().map(|cut| cut % (stream.len() + 1)).collect();
+    ends.push(stream.len());
+    ends.sort_unstable();
+    let mut out = Vec::new();
+    let mut start = 0;
+    for (index, &end) in ends.iter().enumerate() {
+        let chunk = &stream[start..end];
+        let last = index + 1 == ends.len();
+        match events.on_chunk(Api::ChatCompletions, &prompt, chunk, last) {
+            Rewritten::AsIs => out.extend_from_slice(chunk),
+            Rewritten::Replaced(bytes) => out.extend_from_slice(&bytes),
+            Rewritten::GaveUp { held } => {
+                out.extend_from_slice(&held);
+                out.extend_from_slice(chunk);
+            }
+        }
+        let last_whole_event = event_ends.iter().filter(|&&at| at <= end).max();
+        let unended = end - last_whole_event.copied().unwrap_or(0);
+        assert!(
+            events.held_len() <= unended,
+            "{} bytes held after {:?}",
+            events.held_len(),
+            String::from_utf8_lossy(&stream[..end])
+        );
+        start = end;
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    /// However decode's stream is cut into chunks (an event across several, several in
+    /// one, empty chunks), the client gets the same bytes, each whole event as soon as its
+    /// chunk arrives: every event in order, each as decode wrote it but for the usage chunk,
+    /// whose prompt counts are prefill's.
+    #[test]
+    fn a_stream_cut_anywhere_comes_out_as_the_stream_fed_whole(
+        events in prop::collection::vec(stream_event(), 1..12),
+        cuts in prop::collection::vec(any::<usize>(), 0..10),
+    ) {
+        let stream = events.concat();
+        let event_ends: Vec<usize> = events
+            .iter()
+            .scan(0, |end, event| {
+                *end += event.len();
+                Some(*end)
+            })
+            .collect();
+        let whole = streamed_in_chunks(stream.as_bytes(), &event_ends, &[]);
+        let cut = streamed_in_chunks(stream.as_bytes(), &event_ends, &cuts);
+        prop_assert_eq!(String::from_utf8_lossy(&cut), String::from_utf8_lossy(&whole));
+        // Event by event: only a usage chunk changes, and only its counts.
+        let sent = String::from_utf8_lossy(&whole).into_owned();
+        let mut rest = sent.as_str();
+        for event in &events {
+            let Some(tail) = rest.strip_prefix(event.as_str()) else {
+                prop_assert!(event.contains("\"usage\":{"), "{:?} changed in {:?}", event, sent);
+                prop_assert!(rest.contains("\"prompt_tokens\":7,"), "{:?}", rest);
+                prop_assert!(rest.contains("\"cached_tokens\":2}"), "{:?}", rest);
+                let newline = if event.ends_with("\r\n\r\n") { "\r\n\r\n" } else if event.ends_with("\n\n") { "\n\n" } else { "\r\r" };
+                let end = rest.find(newline).map(|at| at + newline.len());
+                rest = rest.get(end.unwrap_or(rest.len())..).unwrap_or_default();
+                continue;
+            };
+            rest = tail;
+        }
+        prop_assert_eq!(rest, "");
+    }
 }
