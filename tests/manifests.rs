@@ -3073,6 +3073,7 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
         ("/v1%2fcompletions", false),
         ("/v1/chat%2Fcompletions", false),
         ("/v1%5Ccompletions", false),
+        ("/v1/completions#frag", false),
         // vLLM (Starlette) serves a path with a final newline as the path without it: the
         // filter refuses escaped control characters.
         ("/v1/completions%0A", false),
@@ -3109,6 +3110,10 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
             }
             if let Err(what) = openai_error(&reply, 400) {
                 failures.push(format!("{target}: {what}"));
+            }
+            let envoys_refusal = !target.contains("%0");
+            if envoys_refusal && !reply.body.contains("the request path cannot be normalized") {
+                failures.push(format!("{target}: {}", reply.body));
             }
             if reply.header("x-request-id") != Some(id.as_str()) {
                 failures.push(format!("{target}: Envoy's answer without its request id"));
