@@ -33,7 +33,7 @@ pub fn decode_will_not_read(code_details: &str) -> bool {
 /// A 500 (an engine that failed or died) may come before the read or after it. Releasing KV
 /// decode already read costs a decode worker one token; KV left waiting holds prefill's
 /// blocks until vLLM's abort timeout (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, minutes).
-pub fn decode_refused(status: Option<u16>, code_details: Option<&str>) -> bool {
+pub fn decode_answered_an_error(status: Option<u16>, code_details: Option<&str>) -> bool {
     status.is_some_and(|status| (400..600).contains(&status))
         && code_details == Some("via_upstream")
 }
@@ -98,21 +98,24 @@ mod tests {
 
     #[test]
     fn an_error_decode_wrote_itself_may_have_left_the_kv_unread() {
-        assert!(decode_refused(Some(400), Some("via_upstream")));
-        assert!(decode_refused(Some(415), Some("via_upstream")));
-        assert!(decode_refused(Some(503), Some("via_upstream")));
-        assert!(decode_refused(Some(500), Some("via_upstream")));
-        assert!(decode_refused(Some(502), Some("via_upstream")));
+        assert!(decode_answered_an_error(Some(400), Some("via_upstream")));
+        assert!(decode_answered_an_error(Some(415), Some("via_upstream")));
+        assert!(decode_answered_an_error(Some(503), Some("via_upstream")));
+        assert!(decode_answered_an_error(Some(500), Some("via_upstream")));
+        assert!(decode_answered_an_error(Some(502), Some("via_upstream")));
         // Envoy's own 4xx or 503, an answer without details, a success or no status: not
         // decode's refusal.
-        assert!(!decode_refused(Some(503), Some("no_healthy_upstream")));
-        assert!(!decode_refused(
+        assert!(!decode_answered_an_error(
+            Some(503),
+            Some("no_healthy_upstream")
+        ));
+        assert!(!decode_answered_an_error(
             Some(413),
             Some("request_payload_too_large")
         ));
-        assert!(!decode_refused(Some(400), None));
-        assert!(!decode_refused(Some(200), Some("via_upstream")));
-        assert!(!decode_refused(None, Some("via_upstream")));
+        assert!(!decode_answered_an_error(Some(400), None));
+        assert!(!decode_answered_an_error(Some(200), Some("via_upstream")));
+        assert!(!decode_answered_an_error(None, Some("via_upstream")));
     }
 
     #[test]

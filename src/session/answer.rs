@@ -2,7 +2,7 @@
 //! prompt logprobs) written into it.
 
 use crate::config::Config;
-use crate::protocol::kv_release::{decode_refused, decode_will_not_read};
+use crate::protocol::kv_release::{decode_answered_an_error, decode_will_not_read};
 use crate::protocol::usage::{merge_answer, EventStream, Rewritten};
 use crate::protocol::{media_type, prompt_logprobs};
 
@@ -174,7 +174,7 @@ impl Session {
                 || head.decode_connected == Some(false);
             let reason = if not_read {
                 Some("decode was not reached, or went before it answered")
-            } else if decode_refused(head.status, head.code_details) {
+            } else if decode_answered_an_error(head.status, head.code_details) {
                 Some("decode answered an error")
             } else {
                 None
