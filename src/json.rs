@@ -367,12 +367,13 @@ pub fn array_element_ranges(array: &[u8]) -> Option<Vec<Range<usize>>> {
 /// What [`find_top_level_member`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum MemberSearch {
-    /// Where the value of the one member with that key lies.
+    /// Where the value of the last member with that key lies (the one JSON parsers keep).
     Found(Range<usize>),
     /// The object has no member with that key.
     Absent,
-    /// The quick look cannot tell: the key is there twice, a top-level key holds escapes, or
-    /// the text is not shaped as one object. [`JsonObject::parse`] can.
+    /// The quick look cannot tell: a top-level key after the member holds escapes (it could
+    /// spell the key), the member's value is empty, or the text is not shaped as one object.
+    /// [`JsonObject::parse`] can.
     Unsure,
 }
 
