@@ -357,9 +357,9 @@ pub fn merge_answer(api: Api, answer: &[u8], prompt: &PromptUsage) -> Option<Vec
 /// One server-sent event (without its blank line) with prefill's prompt counts, where it
 /// carries usage: the usage chunk of completions and chat, the last event of responses
 /// (`response.completed`, or `response.incomplete` when vLLM 0.33 stopped at the limit).
-/// `None` for every other event.
+/// `None` for every other event. ([`merge_events`] gives it only events where it found the
+/// usage marker.)
 pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
-    find_usage_marker(event)?;
     // The event's data line: `data: {…}`.
     let start = find_near_start(event, b"data:")? + b"data:".len();
     let end =
