@@ -104,7 +104,7 @@ mod tests {
         assert!(decode_answered_an_error(Some(500), Some("via_upstream")));
         assert!(decode_answered_an_error(Some(502), Some("via_upstream")));
         // Envoy's own 4xx or 503, an answer without details, a success or no status: not
-        // decode's refusal.
+        // an error decode answered.
         assert!(!decode_answered_an_error(
             Some(503),
             Some("no_healthy_upstream")
