@@ -1626,17 +1626,37 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             }
         }
 
-        // The body buffer holds the largest body the filter accepts.
-        let buffer = listener["per_connection_buffer_limit_bytes"]
+        // What Envoy holds for each client connection, the answer a slow reader has not
+        // taken among it, stays at Envoy's default; bodies are buffered per virtual host.
+        let connection_buffer = listener["per_connection_buffer_limit_bytes"]
             .as_u64()
             .unwrap_or(ENVOY_DEFAULT_BUFFER_LIMIT as u64);
+        if connection_buffer > ENVOY_DEFAULT_BUFFER_LIMIT as u64 {
+            error(format!(
+                "per_connection_buffer_limit_bytes {connection_buffer} above 1 MiB: Envoy holds \
+                 that much of an answer for every client that reads slowly"
+            ));
+        }
+        // The body buffer holds the largest body the filter accepts, on every virtual host.
+        let body_buffer = hcm["route_config"]["virtual_hosts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|host| {
+                host["request_body_buffer_limit"]
+                    .as_u64()
+                    .unwrap_or(0)
+                    .max(connection_buffer)
+            })
+            .min()
+            .unwrap_or(connection_buffer);
         for (wasm, plugin) in &filters {
             let max_body = plugin["max_request_body_bytes"]
                 .as_u64()
                 .unwrap_or(DEFAULT_MAX_REQUEST_BODY_BYTES);
-            if buffer < max_body {
+            if body_buffer < max_body {
                 error(format!(
-                    "per_connection_buffer_limit_bytes {buffer} < max_request_body_bytes {max_body}"
+                    "request_body_buffer_limit {body_buffer} < max_request_body_bytes {max_body}"
                 ));
             }
             // For an HTTP/2 client, Envoy buffers a stream up to its window, not the
@@ -1919,11 +1939,21 @@ fn weakened_envoy_configs_are_caught() {
                 .remove("actions");
         }),
         (
-            "a buffer below the body limit",
+            "a body buffer below the body limit",
+            "request_body_buffer_limit",
+            |c| {
+                first_hcm(c)["route_config"]["virtual_hosts"][0]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("request_body_buffer_limit");
+            },
+        ),
+        (
+            "a connection buffer that slow readers fill",
             "per_connection_buffer_limit_bytes",
             |c| {
                 c["static_resources"]["listeners"][0]["per_connection_buffer_limit_bytes"] =
-                    json!(1_048_576)
+                    json!(16_777_216)
             },
         ),
         ("a route timeout", "timeout \"15s\"", |c| {
@@ -2990,6 +3020,144 @@ fn envoy_yaml_lets_an_http2_client_pause_its_reading_in_envoy() {
         assert_eq!(response.status, 200);
         assert!(response.text().ends_with("data: [DONE]\n\n"));
     }
+}
+
+/// A decode stand-in that answers each request with an event stream of `total` bytes,
+/// written as fast as the connection takes it. Its port, and the bytes it wrote on each
+/// connection so far.
+async fn long_stream_server(total: usize) -> (u16, std::sync::Arc<std::sync::Mutex<Vec<usize>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let port = listener.local_addr().expect("address").port();
+    let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let counts = written.clone();
+    tokio::spawn(async move {
+        while let Ok((mut connection, _)) = listener.accept().await {
+            let counts = counts.clone();
+            tokio::spawn(async move {
+                // The request: its head, then as many body bytes as it announces.
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 65_536];
+                let body_start = loop {
+                    let Ok(read) = connection.read(&mut buffer).await else {
+                        return;
+                    };
+                    if read == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buffer[..read]);
+                    if let Some(end) = request.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break end + 4;
+                    }
+                };
+                let head = String::from_utf8_lossy(&request[..body_start]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|line| line.strip_prefix("content-length:"))
+                    .and_then(|value| value.trim().parse().ok())
+                    .unwrap_or(0);
+                while request.len() < body_start + length {
+                    match connection.read(&mut buffer).await {
+                        Ok(read) if read > 0 => request.extend_from_slice(&buffer[..read]),
+                        _ => return,
+                    }
+                }
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                            transfer-encoding: chunked\r\n\r\n";
+                if connection.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let event = format!(
+                    "data: {{\"choices\":[{{\"text\":\"{}\"}}]}}\n\n",
+                    "x".repeat(200)
+                );
+                let chunk_body = event.repeat(65_536 / event.len());
+                let chunk = format!("{:x}\r\n{chunk_body}\r\n", chunk_body.len());
+                let slot = {
+                    let mut counts = counts.lock().expect("counts");
+                    counts.push(0);
+                    counts.len() - 1
+                };
+                let mut sent = 0;
+                while sent < total {
+                    if connection.write_all(chunk.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    sent += chunk_body.len();
+                    counts.lock().expect("counts")[slot] = sent;
+                }
+                let _ = connection.write_all(b"0\r\n\r\n").await;
+            });
+        }
+    });
+    (port, written)
+}
+
+/// envoy/envoy.yaml as shipped holds little for clients that stop reading a long answer:
+/// Envoy stops reading decode once a client's connection holds the listener's buffer
+/// (1 MiB). At 16 MiB, 180 HTTP/1.1 clients that paused their reading of long streams took
+/// Envoy to 3 GB, past its heap limit, which resets no HTTP/1.1 stream.
+#[test]
+fn envoy_yaml_holds_little_for_clients_that_stop_reading_in_envoy() {
+    const CLIENTS: usize = 8;
+    let runtime = mock_runtime();
+    let prefill = start_mock(&runtime, mock_vllm::Role::Prefill);
+    let (decode_port, written) = runtime.block_on(long_stream_server(256 << 20));
+    let envoy = start_shipped_envoy("envoy/envoy.yaml", "run-envoy-yaml-slow-readers", |text| {
+        let text = substitute(
+            &text,
+            "port_value: 8100 }",
+            &format!("port_value: {} }}", prefill.port()),
+        );
+        substitute(
+            &text,
+            "port_value: 8200 }",
+            &format!("port_value: {decode_port} }}"),
+        )
+    });
+    // Read when asked (the server.memory_allocated stat waits for the next stats flush).
+    let allocated = || -> u64 {
+        common::http_get(envoy.admin_port, "/memory")
+            .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+            .and_then(|memory| memory["allocated"].as_str()?.parse().ok())
+            .expect("allocated, from /memory")
+    };
+    let before = allocated();
+    let body = json!({"model": "mock-model", "prompt": "a long answer", "max_tokens": 100_000,
+        "stream": true})
+    .to_string();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|_| open_post(envoy.port, "/v1/completions", &[], &body))
+        .collect();
+    // Until every stream has met its client's flow control.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut last = Vec::new();
+    loop {
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        let now = written.lock().expect("counts").clone();
+        if now.len() == CLIENTS && now == last {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "decode's streams did not settle: {now:?}\n{}",
+            envoy.log()
+        );
+        last = now;
+    }
+    let held = allocated().saturating_sub(before);
+    drop(clients);
+    assert!(
+        last.iter().all(|&sent| sent < 256 << 20),
+        "a stream went through whole, unread: {last:?}"
+    );
+    assert!(
+        held < CLIENTS as u64 * (4 << 20),
+        "Envoy holds {held} bytes more for {CLIENTS} clients that stopped reading (decode \
+         wrote {last:?})"
+    );
 }
 
 /// envoy/envoy.yaml as shipped, with its heap limit lowered to 300 MB: HTTP/2 clients that
