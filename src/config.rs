@@ -237,6 +237,7 @@ impl fmt::Display for ConfigError {
 
 /// Headers the filter itself sets on the prefill request.
 const RESERVED_HEADERS: &[&str] = &[
+    "accept-encoding",
     "content-type",
     "content-length",
     "x-request-id",

@@ -342,6 +342,27 @@ async fn trace_and_priority_headers_reach_prefill() {
     assert_eq!(prefill.header("x-vllm-priority"), Some("-5"));
 }
 
+/// The filter reads both answers (prefill's for its KV, decode's for the usage merge): it
+/// asks prefill for an uncompressed one, whatever the client accepts, and takes the
+/// client's header off decode's request.
+#[tokio::test]
+async fn prefill_is_asked_for_an_uncompressed_answer() {
+    let h = harness();
+    let id = unique_id("identity");
+    let reply = Request::post("default", APIS[0].path)
+        .id(&id)
+        .header("accept-encoding", "gzip, br")
+        .body(body(&APIS[0], "compress me", false).to_string())
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(
+        h.only_prefill(&id).header("accept-encoding"),
+        Some("identity")
+    );
+    assert_eq!(h.only_decode(&id).header("accept-encoding"), None);
+}
+
 #[tokio::test]
 async fn prompt_logprobs_come_from_prefill() {
     let h = harness();

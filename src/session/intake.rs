@@ -202,6 +202,9 @@ impl Session {
             (":path".to_owned(), path),
             (":authority".to_owned(), authority.to_owned()),
             ("content-type".to_owned(), "application/json".to_owned()),
+            // Without it any coding is acceptable (RFC 9110), and a proxy in front of
+            // prefill may compress an answer the filter must read.
+            ("accept-encoding".to_owned(), "identity".to_owned()),
             ("x-request-id".to_owned(), self.request_id.clone()),
         ];
         for name in &config.forward_headers {
