@@ -57,6 +57,10 @@ const RETRY_AFTER: [Duration; 4] = [
 /// list thousands of blocks; a client's large `baggage`) is kept only while it fits in the
 /// VM's held-bytes budget, and counts against it.
 const SMALL_RELEASE_BYTES: usize = 8192;
+/// How long a release may wait for a slot. After vLLM 0.33's 30 s lease prefill has freed
+/// the blocks itself, and a release sent then costs decode a token for nothing: a decode
+/// that took seconds per release left a queue that went out 60 to 90 s late, in a burst.
+const LONGEST_WAIT_FOR_SLOT: Duration = Duration::from_secs(30);
 /// Releases that may wait, per release that may be in flight, for a slot and (as many
 /// again) to be sent again: a burst of clients leaving at once, or the requests of a decode
 /// outage of seconds (a few hundred bytes each), waits rather than strands its KV.
@@ -81,8 +85,8 @@ pub struct Callouts<R> {
     /// Releases waiting to be sent again, each with when; at most [`WAITING_PER_SLOT`] per
     /// release that may be in flight.
     retries: VecDeque<(SystemTime, Retry)>,
-    /// Releases waiting for a slot, each with its attempt number.
-    waiting: VecDeque<(HttpCall, u32, Kept)>,
+    /// Releases waiting for a slot, each with its attempt number and since when.
+    waiting: VecDeque<(SystemTime, HttpCall, u32, Kept)>,
     wake_pending: bool,
     /// The VM's budget, which large kept releases count against.
     held: HeldBytes,
@@ -157,15 +161,30 @@ impl<R> Callouts<R> {
 
     /// Keeps attempt number `attempts` of a release that found no slot until one frees;
     /// `false` when too many already wait (it is dropped).
-    pub fn wait_for_slot(&mut self, call: HttpCall, attempts: u32) -> bool {
+    pub fn wait_for_slot(&mut self, call: HttpCall, attempts: u32, now: SystemTime) -> bool {
         if self.waiting.len() >= self.waiting_bound() {
             return false;
         }
         let Some(kept) = self.keep(&call) else {
             return false;
         };
-        self.waiting.push_back((call, attempts, kept));
+        self.waiting.push_back((now, call, attempts, kept));
         true
+    }
+
+    /// The releases that have waited for a slot past the lease, taken out: to be dropped.
+    pub fn expire_waiting(&mut self, now: SystemTime) -> Vec<HttpCall> {
+        let mut expired = Vec::new();
+        while let Some((since, ..)) = self.waiting.front() {
+            let waited = now.duration_since(*since).unwrap_or_default();
+            if waited <= LONGEST_WAIT_FOR_SLOT {
+                break;
+            }
+            if let Some((_, call, ..)) = self.waiting.pop_front() {
+                expired.push(call);
+            }
+        }
+        expired
     }
 
     /// The release that has waited longest, with the slot it now holds; `None` when none
@@ -176,7 +195,7 @@ impl<R> Callouts<R> {
         }
         self.waiting
             .pop_front()
-            .map(|(call, attempts, _)| (call, attempts))
+            .map(|(_, call, attempts, _)| (call, attempts))
     }
 
     /// The release whose slot was taken went out with `token`, or (`None`) could not; it
@@ -259,6 +278,8 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    const T0: SystemTime = SystemTime::UNIX_EPOCH;
+
     fn call() -> HttpCall {
         HttpCall {
             cluster: "decode".into(),
@@ -335,15 +356,18 @@ mod tests {
         let held = HeldBytes::new(2 * size);
         let mut callouts: Callouts<&str> = Callouts::default();
         callouts.set_release_bound(1, held.clone());
-        assert!(callouts.wait_for_slot(heavy.clone(), 1));
+        assert!(callouts.wait_for_slot(heavy.clone(), 1, T0));
         let retry = callouts.release_sent(None, &heavy, 1).unwrap();
         assert_eq!(held.held(), 2 * size);
         assert!(
-            !callouts.wait_for_slot(heavy.clone(), 1),
+            !callouts.wait_for_slot(heavy.clone(), 1, T0),
             "the budget is full"
         );
         assert!(callouts.release_sent(None, &heavy, 1).is_none());
-        assert!(callouts.wait_for_slot(call(), 1), "a small one still waits");
+        assert!(
+            callouts.wait_for_slot(call(), 1, T0),
+            "a small one still waits"
+        );
         drop(retry);
         let (sent, _) = callouts.next_waiting_release().unwrap();
         assert_eq!(sent.body.len(), 30_000, "in the order they came");
@@ -362,10 +386,10 @@ mod tests {
             ..call()
         };
         for n in 0..WAITING_PER_SLOT {
-            assert!(callouts.wait_for_slot(named(&n.to_string()), 1));
+            assert!(callouts.wait_for_slot(named(&n.to_string()), 1, T0));
         }
         assert!(
-            !callouts.wait_for_slot(named("late"), 1),
+            !callouts.wait_for_slot(named("late"), 1, T0),
             "the wait is bounded"
         );
         assert!(callouts.next_waiting_release().is_none(), "no slot yet");
@@ -379,6 +403,35 @@ mod tests {
         callouts.release_sent(Some(2), &first, attempts);
         callouts.answered(2);
         assert_eq!(&*callouts.next_waiting_release().unwrap().0.cluster, "1");
+    }
+
+    #[test]
+    fn releases_that_waited_past_the_lease_are_dropped() {
+        let mut callouts: Callouts<&str> = Callouts::default();
+        let held = HeldBytes::new(1 << 20);
+        callouts.set_release_bound(1, held.clone());
+        assert!(callouts.start_release());
+        let named = |cluster: &str| HttpCall {
+            cluster: cluster.into(),
+            ..call()
+        };
+        let heavy = HttpCall {
+            body: vec![b'1'; 2 * SMALL_RELEASE_BYTES],
+            ..named("old")
+        };
+        assert!(callouts.wait_for_slot(heavy, 1, T0));
+        let later = T0 + Duration::from_secs(20);
+        assert!(callouts.wait_for_slot(named("recent"), 1, later));
+        assert!(callouts
+            .expire_waiting(T0 + LONGEST_WAIT_FOR_SLOT)
+            .is_empty());
+        let expired = callouts.expire_waiting(later + Duration::from_secs(15));
+        let clusters: Vec<&str> = expired.iter().map(|call| &*call.cluster).collect();
+        assert_eq!(clusters, ["old"]);
+        assert_eq!(held.held(), 0, "what it kept in the VM is given back");
+        callouts.release_sent(None, &call(), RELEASE_ATTEMPTS);
+        let (next, _) = callouts.next_waiting_release().unwrap();
+        assert_eq!(&*next.cluster, "recent");
     }
 
     #[test]

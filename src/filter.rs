@@ -353,10 +353,11 @@ impl Worker {
     /// in flight has answered.
     fn dispatch_release(&self, call: &HttpCall, attempts: u32) {
         if !self.callouts.borrow_mut().start_release() {
+            let now = host::now().unwrap_or(UNIX_EPOCH);
             let waits = self
                 .callouts
                 .borrow_mut()
-                .wait_for_slot(call.clone(), attempts);
+                .wait_for_slot(call.clone(), attempts, now);
             if !waits {
                 log::warn!(
                     "[{}] KV release dropped: too many wait for a slot \
@@ -374,6 +375,18 @@ impl Worker {
     /// stops the round once retries wait: the next would be refused alike, and the root's
     /// tick sends them later.
     fn send_waiting_releases(&self) {
+        let expired = self
+            .callouts
+            .borrow_mut()
+            .expire_waiting(host::now().unwrap_or(UNIX_EPOCH));
+        for call in expired {
+            log::warn!(
+                "[{}] KV release dropped: it waited for a slot past vLLM's 30 s lease \
+                 (max_kv_releases_in_flight; decode answers releases slowly)",
+                call.request_id()
+            );
+            self.record(Metric::KvReleaseDropped);
+        }
         loop {
             let next = self.callouts.borrow_mut().next_waiting_release();
             let Some((call, attempts)) = next else { break };
