@@ -334,15 +334,15 @@ async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
     let _serial = SERIAL.lock().await;
     // Prefill gets one capped token without min_tokens and serves it; decode gets the
     // client's own limits and refuses them, as vLLM's API server does, before any KV is read:
-    // a minimum above the context left after the prompt (which only decode knows: the mock
-    // leaves 16 tokens to a chat request without a limit). A limit past the model's context,
+    // a minimum above the context left after the prompt (which only decode knows: a chat
+    // request without a limit may take the rest of it). A limit past the model's context,
     // on a stream with several choices, decode refuses at once rather than generating for
     // minutes.
     let cases = [
         (
             "/v1/chat/completions",
             json!({"model": "m", "messages": [{"role": "user", "content": "refused by decode"}],
-                   "min_tokens": 5000}),
+                   "min_tokens": 200_000}),
             "min_tokens",
         ),
         (

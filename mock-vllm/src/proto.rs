@@ -98,23 +98,40 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
     }
     let (stream, include_usage) = stream_flags(obj)?;
     let int = |key: &str| int_field(obj, key);
-    let (limit_name, limit) = match endpoint {
+    // The limit the request sets; `None` where vLLM takes the rest of the context (chat
+    // without one, or completions' `max_tokens: null`: an absent one is 16).
+    let (limit_name, set_limit) = match endpoint {
         Endpoint::Chat => match int("max_completion_tokens")? {
-            Some(v) => ("max_completion_tokens", v),
-            None => ("max_tokens", int("max_tokens")?.unwrap_or(16)),
+            Some(v) => ("max_completion_tokens", Some(v)),
+            None => ("max_tokens", int("max_tokens")?),
         },
         // max_tokens is not in the Responses schema: only max_output_tokens counts, and
         // without it the limit is "the rest of the context", simulated as 40.
-        Endpoint::Responses => ("max_output_tokens", int("max_output_tokens")?.unwrap_or(40)),
+        Endpoint::Responses => ("max_output_tokens", int("max_output_tokens")?.or(Some(40))),
         // Completions.
-        _ => ("max_tokens", int("max_tokens")?.unwrap_or(16)),
+        _ => match obj.get("max_tokens") {
+            None => ("max_tokens", Some(16)),
+            Some(_) => ("max_tokens", int("max_tokens")?),
+        },
     };
-    check_limit(limit_name, limit)?;
+    if let Some(limit) = set_limit {
+        check_limit(limit_name, limit)?;
+    }
     let min = match (int("min_tokens")?, int("min_completion_tokens")?) {
         (Some(a), Some(b)) => Some(a.max(b)),
         (a, b) => a.or(b),
     };
-    check_min(min, limit)?;
+    let prompt = match endpoint {
+        Endpoint::Chat => chat_prompt(obj)?,
+        Endpoint::Responses => responses_prompt(obj)?,
+        // Completions.
+        _ => completion_prompt(obj)?,
+    };
+    let room = i64::try_from(MAX_MODEL_LEN.saturating_sub(word_tokens(&prompt))).unwrap_or(0);
+    check_min(min, set_limit.unwrap_or(room))?;
+    // Without a limit the mock's answer stops by itself after 16 tokens (as a model ends
+    // its answer), or after min_tokens.
+    let limit = set_limit.unwrap_or_else(|| min.unwrap_or(0).max(16).min(room));
     let n = match endpoint {
         Endpoint::Responses => 1,
         _ => int("n")?.unwrap_or(1),
@@ -134,13 +151,9 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
                 .into(),
         );
     }
-    let prompt = match endpoint {
-        Endpoint::Chat => chat_prompt(obj)?,
-        Endpoint::Responses => responses_prompt(obj)?,
-        // Completions.
-        _ => completion_prompt(obj)?,
-    };
-    check_context(limit, word_tokens(&prompt))?;
+    if set_limit.is_some() {
+        check_context(limit, word_tokens(&prompt))?;
+    }
     Ok(Parsed {
         endpoint,
         stream,
@@ -1049,6 +1062,33 @@ mod tests {
         }
         let grammar = json!({"tool_choice": named, "structured_outputs": {"grammar": "g"}});
         assert_eq!(chat(grammar), Ok(()));
+    }
+
+    /// Without a limit vLLM takes the rest of the context (chat without one, completions'
+    /// `max_tokens: null`; an absent one is 16): a min_tokens within it is served.
+    #[test]
+    fn min_tokens_without_a_limit_is_held_to_the_context() {
+        let chat = |extra: Value| {
+            let mut body = json!({"messages": [{"role": "user", "content": "hi there"}]});
+            for (key, value) in extra.as_object().unwrap() {
+                body[key] = value.clone();
+            }
+            parse(Endpoint::Chat, body.to_string().as_bytes()).map(|p| p.limit)
+        };
+        assert_eq!(chat(json!({"min_tokens": 20})), Ok(20));
+        assert_eq!(chat(json!({})), Ok(16), "the answer ends by itself");
+        assert_eq!(chat(json!({"max_tokens": null, "min_tokens": 3})), Ok(16));
+        assert!(chat(json!({"min_tokens": 200_000}))
+            .unwrap_err()
+            .starts_with("min_tokens must be less than or equal to max_tokens=131070"));
+        let completions = |body: Value| {
+            parse(Endpoint::Completions, body.to_string().as_bytes()).map(|p| p.limit)
+        };
+        assert_eq!(
+            completions(json!({"prompt": "a b", "max_tokens": null, "min_tokens": 500})),
+            Ok(500)
+        );
+        assert!(completions(json!({"prompt": "a b", "min_tokens": 20})).is_err());
     }
 
     #[test]
