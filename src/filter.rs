@@ -354,6 +354,8 @@ impl Worker {
     fn dispatch_release(&self, call: &HttpCall, attempts: u32) {
         if !self.callouts.borrow_mut().start_release() {
             let now = host::now().unwrap_or(UNIX_EPOCH);
+            // Stale ones first: they must not take the places of new ones.
+            self.drop_expired_releases(now);
             let waits = self
                 .callouts
                 .borrow_mut()
@@ -375,24 +377,26 @@ impl Worker {
     /// stops the round once retries wait: the next would be refused alike, and the root's
     /// tick sends them later.
     fn send_waiting_releases(&self) {
-        let expired = self
-            .callouts
-            .borrow_mut()
-            .expire_waiting(host::now().unwrap_or(UNIX_EPOCH));
-        for call in expired {
-            log::warn!(
-                "[{}] KV release dropped: it waited for a slot past vLLM's 30 s lease \
-                 (max_kv_releases_in_flight; decode answers releases slowly)",
-                call.request_id()
-            );
-            self.record(Metric::KvReleaseDropped);
-        }
+        self.drop_expired_releases(host::now().unwrap_or(UNIX_EPOCH));
         loop {
             let next = self.callouts.borrow_mut().next_waiting_release();
             let Some((call, attempts)) = next else { break };
             if !self.send_release(&call, attempts) && self.ticking.get() {
                 break;
             }
+        }
+    }
+
+    /// Drops the releases that waited for a slot longer than vLLM 0.33's lease.
+    fn drop_expired_releases(&self, now: SystemTime) {
+        let expired = self.callouts.borrow_mut().expire_waiting(now);
+        for call in expired {
+            log::warn!(
+                "[{}] KV release dropped: it waited 30 s for a slot (max_kv_releases_in_flight; \
+                 decode answers releases slowly), as long as vLLM 0.33 holds KV nobody reads",
+                call.request_id()
+            );
+            self.record(Metric::KvReleaseDropped);
         }
     }
 
