@@ -338,7 +338,7 @@ async fn a_body_that_grows_past_envoys_buffer_on_decode_is_413_or_served() {
 
 #[tokio::test]
 async fn eighty_thousand_duplicate_kv_transfer_params_do_not_crash_envoy() {
-    // The shipped configuration: 16 MiB buffer, 8 MiB body limit (the default listener).
+    // A 16 MiB buffer, 8 MiB body limit (the default listener), as envoy/envoy.yaml buffers.
     // 1.8 MB of `"kv_transfer_params":0,`: replacing each one by prefill's object makes a
     // decode body far above the buffer.
     let id = unique_id("dup-kv-80000");

@@ -127,11 +127,18 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         // Completions.
         _ => completion_prompt(obj)?,
     };
-    let room = i64::try_from(MAX_MODEL_LEN.saturating_sub(word_tokens(&prompt))).unwrap_or(0);
-    check_min(min, set_limit.unwrap_or(room))?;
+    // The context left after the prompt; none for a prompt longer than the context, which
+    // the mock takes (tests send long ones).
+    let room = MAX_MODEL_LEN
+        .checked_sub(word_tokens(&prompt))
+        .filter(|room| *room > 0)
+        .and_then(|room| i64::try_from(room).ok());
+    if let Some(limit) = set_limit.or(room) {
+        check_min(min, limit)?;
+    }
     // Without a limit the mock's answer stops by itself after 16 tokens (as a model ends
     // its answer), or after min_tokens.
-    let limit = set_limit.unwrap_or_else(|| min.unwrap_or(0).max(16).min(room));
+    let limit = set_limit.unwrap_or_else(|| min.unwrap_or(0).max(16).min(room.unwrap_or(i64::MAX)));
     let n = match endpoint {
         Endpoint::Responses => 1,
         _ => int("n")?.unwrap_or(1),
@@ -1089,6 +1096,12 @@ mod tests {
             Ok(500)
         );
         assert!(completions(json!({"prompt": "a b", "min_tokens": 20})).is_err());
+        // A prompt past the context: the mock takes it, and answers as without a limit.
+        let long = "w ".repeat(MAX_MODEL_LEN as usize + 10);
+        assert_eq!(
+            completions(json!({"prompt": long, "max_tokens": null})),
+            Ok(16)
+        );
     }
 
     #[test]

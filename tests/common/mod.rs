@@ -57,7 +57,9 @@ pub struct Listener {
     pub buffer_limit_bytes: u32,
 }
 
-/// 16 MiB, as in `envoy/envoy.yaml` (above the filter's default 8 MiB body limit).
+/// 16 MiB, above the filter's default 8 MiB body limit. (`envoy/envoy.yaml` buffers bodies
+/// up to its virtual host's `request_body_buffer_limit`, 16 MiB, with a 1 MiB listener; its
+/// own tests are in tests/manifests.rs.)
 const BUFFER_LIMIT_BYTES: u32 = 16 * 1024 * 1024;
 
 const fn plain(name: &'static str, plugin_config: &'static str) -> Listener {
