@@ -179,10 +179,12 @@ impl Session {
         // The decode body differs from the client's: let Envoy frame it.
         commands.push(Command::RemoveRequestHeader("content-length".to_owned()));
         // Decode's answer may get prefill's usage and prompt logprobs, which a compressed
-        // answer could not: decode answers plain, as vLLM does unless set up to compress.
-        if headers.value("accept-encoding").is_some() {
-            commands.push(Command::RemoveRequestHeader("accept-encoding".to_owned()));
-        }
+        // answer could not: decode is asked for a plain one (without the header any coding
+        // is acceptable, RFC 9110, and a proxy in front of decode may compress).
+        commands.push(Command::SetRequestHeader {
+            name: "accept-encoding".to_owned(),
+            value: "identity".to_owned(),
+        });
         // vLLM refuses any media type but exactly `application/json` (a missing one too),
         // where the filter also takes `+json` types and no content-type at all: decode would
         // refuse, after prefill's work, a request prefill (called with `application/json`)

@@ -227,7 +227,13 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
     assert_eq!(step.flow, Flow::Continue);
     assert_eq!(
         step.commands,
-        vec![Command::RemoveRequestHeader("content-length".into())]
+        vec![
+            Command::RemoveRequestHeader("content-length".into()),
+            Command::SetRequestHeader {
+                name: "accept-encoding".into(),
+                value: "identity".into()
+            }
+        ]
     );
     assert_eq!(
         session.on_request_body(10, false),
