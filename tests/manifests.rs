@@ -1637,16 +1637,26 @@ fn hardening_errors(config: &Value) -> Vec<String> {
                  that much of an answer for every client that reads slowly"
             ));
         }
-        // The body buffer holds the largest body the filter accepts, on every virtual host.
+        // The body buffer holds the largest body the filter accepts, on every virtual host
+        // and every route (a route's own limit replaces its virtual host's).
+        let set_limit = |at: &Value| {
+            [
+                "request_body_buffer_limit",
+                "per_request_buffer_limit_bytes",
+            ]
+            .iter()
+            .filter_map(|field| at[*field].as_u64())
+            .min()
+        };
         let body_buffer = hcm["route_config"]["virtual_hosts"]
             .as_array()
             .into_iter()
             .flatten()
-            .map(|host| {
-                host["request_body_buffer_limit"]
-                    .as_u64()
-                    .unwrap_or(0)
-                    .max(connection_buffer)
+            .flat_map(|host| {
+                let host_limit = set_limit(host).unwrap_or(0).max(connection_buffer);
+                let routes = host["routes"].as_array().into_iter().flatten();
+                std::iter::once(host_limit)
+                    .chain(routes.map(move |route| set_limit(route).unwrap_or(host_limit)))
             })
             .min()
             .unwrap_or(connection_buffer);
@@ -1948,6 +1958,14 @@ fn weakened_envoy_configs_are_caught() {
                     .as_object_mut()
                     .unwrap()
                     .remove("request_body_buffer_limit");
+            },
+        ),
+        (
+            "a route's body buffer below the body limit",
+            "request_body_buffer_limit",
+            |c| {
+                first_hcm(c)["route_config"]["virtual_hosts"][0]["routes"][0]
+                    ["request_body_buffer_limit"] = json!(1_048_576)
             },
         ),
         (
