@@ -8,7 +8,7 @@ use serde::Deserialize;
 
 use crate::api::Api;
 use crate::protocol::paths::{canonical_path, classify_path, PathVerdict};
-use crate::protocol::rewrite::{PrefillOptions, PrefillToolChoice};
+use crate::protocol::rewrite::{PrefillOptions, PrefillToolChoice, ResponsesStore};
 use crate::protocol::scheduling::HostAllowlist;
 
 /// What to do when prefill answers 2xx but without usable `kv_transfer_params`.
@@ -68,6 +68,7 @@ struct RawConfig {
     release_kv_on_abandon: bool,
     usage: UsagePolicy,
     prefill_tool_choice: PrefillToolChoice,
+    responses_store: ResponsesStore,
     decode_forces_include_usage: bool,
     decode_cluster: String,
     model_decode_clusters: BTreeMap<String, String>,
@@ -111,6 +112,7 @@ impl Default for RawConfig {
             release_kv_on_abandon: true,
             usage: UsagePolicy::Merge,
             prefill_tool_choice: PrefillToolChoice::Rewrite,
+            responses_store: ResponsesStore::PerServer,
             decode_forces_include_usage: false,
             decode_cluster: "decode".to_owned(),
             model_decode_clusters: BTreeMap::new(),
@@ -439,6 +441,7 @@ impl Config {
             usage: raw.usage,
             prefill_options: PrefillOptions {
                 tool_choice: raw.prefill_tool_choice,
+                responses_store: raw.responses_store,
             },
             decode_forces_include_usage: raw.decode_forces_include_usage,
             decode_cluster: raw.decode_cluster,
@@ -528,6 +531,7 @@ const SHAPES: &[(&str, Shape)] = &[
         "prefill_tool_choice",
         Shape::Choice(&["rewrite", "as_sent"]),
     ),
+    ("responses_store", Shape::Choice(&["per_server", "shared"])),
     ("decode_forces_include_usage", Shape::Flag),
     ("decode_cluster", Shape::Text),
     ("model_decode_clusters", Shape::TextMap),
@@ -636,6 +640,10 @@ mod tests {
                 config.prefill_options.tool_choice,
                 PrefillToolChoice::Rewrite
             );
+            assert_eq!(
+                config.prefill_options.responses_store,
+                ResponsesStore::PerServer
+            );
         }
     }
 
@@ -685,6 +693,17 @@ mod tests {
         );
         let error = Config::from_json(br#"{"prefill_tool_choice":"keep"}"#).unwrap_err();
         assert!(error.0.contains("rewrite, as_sent"), "{}", error.0);
+    }
+
+    #[test]
+    fn responses_store_is_per_server_or_shared() {
+        let config = Config::from_json(br#"{"responses_store":"shared"}"#).unwrap();
+        assert_eq!(
+            config.prefill_options.responses_store,
+            ResponsesStore::Shared
+        );
+        let error = Config::from_json(br#"{"responses_store":"redis"}"#).unwrap_err();
+        assert!(error.0.contains("per_server, shared"), "{}", error.0);
     }
 
     #[test]

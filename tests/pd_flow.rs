@@ -281,6 +281,24 @@ async fn prefill_tool_choice_as_sent_gives_prefill_the_clients_choice() {
     assert!(h.decode_requests(&id).is_empty());
 }
 
+/// With a store every vLLM server reads, a response that continues a stored one goes to
+/// both legs as the client sent it; prefill's copy is still not stored.
+#[tokio::test]
+async fn a_previous_response_id_reaches_both_legs_with_a_shared_store() {
+    let h = harness();
+    let id = unique_id("shared-store");
+    let original = r#"{"input":"and then?","previous_response_id":"resp_1","max_output_tokens":9}"#;
+    assert_served("shared_store", RESPONSES, &id, original).await;
+    let prefill = h.only_prefill(&id).json();
+    assert_eq!(prefill["previous_response_id"], "resp_1");
+    assert_eq!(prefill["store"], false);
+    assert_eq!(prefill["max_output_tokens"], 1);
+    let decode = h.only_decode(&id).json();
+    assert_eq!(decode["previous_response_id"], "resp_1");
+    assert_eq!(decode["max_output_tokens"], 9);
+    assert!(decode.get("store").is_none(), "{decode}");
+}
+
 /// vLLM refuses `structured_outputs` constraints beside a named tool, though not beside
 /// `"required"`: prefill, whose choice becomes the named tool, goes without them.
 #[tokio::test]

@@ -19,5 +19,5 @@ pub use prefill_answer::{
 };
 pub use rewrite::{
     check_content_type, is_vllm_json, media_type, prepare, prepare_with, DecodePlan,
-    PrefillOptions, PrefillToolChoice, PreparedRequest, KV_TRANSFER_PARAMS,
+    PrefillOptions, PrefillToolChoice, PreparedRequest, ResponsesStore, KV_TRANSFER_PARAMS,
 };

@@ -184,10 +184,24 @@ pub enum PrefillToolChoice {
     AsSent,
 }
 
+/// Where the vLLM servers keep stored responses (`/v1/responses` with `store`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResponsesStore {
+    /// Each server in its own memory (vLLM's default): prefill has none of decode's, so a
+    /// `previous_response_id` is refused.
+    #[default]
+    PerServer,
+    /// One store that every server reads (vLLM's `VLLM_RESPONSES_STORE_BACKEND=redis`, or
+    /// `file` on a shared volume): both legs find the previous response.
+    Shared,
+}
+
 /// How prefill's copy of a request is written, where the operator chooses.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PrefillOptions {
     pub tool_choice: PrefillToolChoice,
+    pub responses_store: ResponsesStore,
 }
 
 /// [`prepare_with`] the default options.
@@ -252,13 +266,17 @@ pub fn prepare_with(
              without use_beam_search",
         ));
     }
-    if api == Api::Responses && object.is_set("previous_response_id") {
+    if api == Api::Responses
+        && options.responses_store == ResponsesStore::PerServer
+        && object.is_set("previous_response_id")
+    {
         // Each vLLM server keeps stored responses in its own memory: prefill has none of
         // decode's, and would answer 404.
         return Err(ClientError::bad_request(
             "previous_response_id cannot be served through prefill/decode disaggregation: \
              each vLLM server keeps its stored responses in its own memory, and prefill has \
-             none of them; send the conversation's input instead",
+             none of them; send the conversation's input instead (or `previous_response`), \
+             or give the servers a shared store",
         ));
     }
     if api == Api::Completions && batches_prompts(&object) {
@@ -826,6 +844,7 @@ mod tests {
     fn tool_choice_as_sent_reaches_prefill_unchanged_with_its_constraints() {
         let as_sent = PrefillOptions {
             tool_choice: PrefillToolChoice::AsSent,
+            ..PrefillOptions::default()
         };
         for (api, body) in [
             (
@@ -1066,6 +1085,30 @@ mod tests {
         // No other API has the field.
         let chat = prefill_json(Api::ChatCompletions, r#"{"messages":[]}"#);
         assert!(chat.get("store").is_none(), "{chat}");
+    }
+
+    #[test]
+    fn a_previous_response_id_goes_to_both_legs_with_a_shared_store() {
+        let body = br#"{"input":"and then?","previous_response_id":"resp_1","store":true}"#;
+        let per_server = prepare(Api::Responses, body).unwrap_err();
+        assert!(
+            per_server.message.contains("shared store"),
+            "{per_server:?}"
+        );
+        let shared = PrefillOptions {
+            responses_store: ResponsesStore::Shared,
+            ..PrefillOptions::default()
+        };
+        let prepared = prepare_with(Api::Responses, body, shared).unwrap();
+        let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+        assert_eq!(prefill["previous_response_id"], "resp_1");
+        assert_eq!(prefill["store"], false);
+        assert_eq!(prefill["max_output_tokens"], 1);
+        let decode = prepared.decode.body_with_kv(body, br#"{"k":1}"#);
+        assert_eq!(
+            decode,
+            br#"{"kv_transfer_params":{"k":1},"input":"and then?","previous_response_id":"resp_1","store":true}"#
+        );
     }
 
     #[test]
@@ -1453,6 +1496,12 @@ mod tests {
             (
                 Api::Responses,
                 r#"{"input":"x","previous_response_id":null}"#,
+                false,
+            ),
+            // vLLM's stateless continuation: the client sends the previous response whole.
+            (
+                Api::Responses,
+                r#"{"input":"x","previous_response":{"id":"resp_1","output":[]}}"#,
                 false,
             ),
             (

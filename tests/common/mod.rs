@@ -139,6 +139,8 @@ pub const LISTENERS: &[Listener] = &[
         "tool_choice_as_sent",
         r#"{"prefill_tool_choice":"as_sent"}"#,
     ),
+    // The vLLM servers share one store of responses (tests/pd_flow.rs).
+    plain("shared_store", r#"{"responses_store":"shared"}"#),
     // One KV release in flight per worker: the others wait (tests/kv_release.rs).
     plain("one_release", r#"{"max_kv_releases_in_flight":1}"#),
     // Two prefills per client and worker may run on after their clients left
