@@ -397,6 +397,7 @@ async fn prompt_logprobs_come_from_prefill() {
     sent["prompt_logprobs"] = json!(1);
     let reply = post(&APIS[0], &id, &sent).await;
     reply.assert_error(400, "are not available when `stream=True`");
+    assert_eq!(reply.json()["error"]["param"], "prompt_logprobs");
     assert!(h.prefill_requests(&id).is_empty());
 
     // vLLM takes 0 with a stream and streams no prompt logprobs: so does the pair, neither

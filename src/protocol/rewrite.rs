@@ -231,7 +231,8 @@ pub fn prepare_with(
     // vLLM reads `stream` here as Python's truth of the raw value, so "false" counts.
     let streams = object.last_value("stream").is_some_and(truthy);
     if asks_prompt_logprobs && streams && !streamable_prompt_logprobs(&object) {
-        return Err(ClientError::bad_request(
+        return Err(ClientError::invalid_field(
+            "prompt_logprobs",
             "`prompt_logprobs` are not available when `stream=True` (any true value of \
              `stream`); only 0 is accepted with a stream",
         ));
@@ -241,7 +242,8 @@ pub fn prepare_with(
         && !streams
     {
         // vLLM's own check, made before prefill runs for a request decode would refuse.
-        return Err(ClientError::bad_request(
+        return Err(ClientError::invalid_field(
+            "stream_options",
             "Stream options can only be defined when `stream=True`.",
         ));
     }
@@ -1006,6 +1008,7 @@ mod tests {
             let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
             assert_eq!(error.status, 400, "{body}");
             assert!(error.message.contains("stream=True"), "{body}");
+            assert_eq!(error.param, Some("stream_options"), "{body}");
         }
         // What vLLM lets through: empty or null options, or a stream.
         for body in [
