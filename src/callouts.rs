@@ -28,11 +28,34 @@ pub enum Caller<R> {
     },
 }
 
+/// One attempt at a release: its number (from 1), and when the first went out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt {
+    pub number: u32,
+    pub first_sent: SystemTime,
+}
+
+impl Attempt {
+    pub fn first(now: SystemTime) -> Attempt {
+        Attempt {
+            number: 1,
+            first_sent: now,
+        }
+    }
+
+    fn next(self) -> Attempt {
+        Attempt {
+            number: self.number + 1,
+            ..self
+        }
+    }
+}
+
 /// A release to send again if decode could not be reached.
 pub struct Retry {
     call: HttpCall,
-    /// Attempts made so far.
-    attempts: u32,
+    /// The attempt made last.
+    attempt: Attempt,
     _kept: Kept,
 }
 
@@ -57,9 +80,10 @@ const RETRY_AFTER: [Duration; 4] = [
 /// list thousands of blocks; a client's large `baggage`) is kept only while it fits in the
 /// VM's held-bytes budget, and counts against it.
 const SMALL_RELEASE_BYTES: usize = 8192;
-/// How long a release may wait for a slot. After vLLM 0.33's 30 s lease prefill has freed
-/// the blocks itself, and a release sent then costs decode a token for nothing: a decode
-/// that took seconds per release left a queue that went out 60 to 90 s late, in a burst.
+/// How long after its first attempt a release may still wait for a slot. After vLLM 0.33's
+/// 30 s lease prefill has freed the blocks itself, and a release sent then costs decode a
+/// token for nothing: a decode that took seconds per release left a queue that went out 60
+/// to 90 s late, in a burst.
 const LONGEST_WAIT_FOR_SLOT: Duration = Duration::from_secs(30);
 /// Releases that may wait, per release that may be in flight, for a slot and (as many
 /// again) to be sent again: a burst of clients leaving at once, or the requests of a decode
@@ -85,8 +109,8 @@ pub struct Callouts<R> {
     /// Releases waiting to be sent again, each with when; at most [`WAITING_PER_SLOT`] per
     /// release that may be in flight.
     retries: VecDeque<(SystemTime, Retry)>,
-    /// Releases waiting for a slot, each with its attempt number and since when.
-    waiting: VecDeque<(SystemTime, HttpCall, u32, Kept)>,
+    /// Releases waiting for a slot, each with its attempt.
+    waiting: VecDeque<(HttpCall, Attempt, Kept)>,
     wake_pending: bool,
     /// The VM's budget, which large kept releases count against.
     held: HeldBytes,
@@ -159,60 +183,67 @@ impl<R> Callouts<R> {
         self.releases.try_start()
     }
 
-    /// Keeps attempt number `attempts` of a release that found no slot until one frees;
-    /// `false` when too many already wait (it is dropped).
-    pub fn wait_for_slot(&mut self, call: HttpCall, attempts: u32, now: SystemTime) -> bool {
+    /// Keeps an attempt at a release that found no slot until one frees; `false` when too
+    /// many already wait (it is dropped).
+    pub fn wait_for_slot(&mut self, call: HttpCall, attempt: Attempt) -> bool {
         if self.waiting.len() >= self.waiting_bound() {
             return false;
         }
         let Some(kept) = self.keep(&call) else {
             return false;
         };
-        self.waiting.push_back((now, call, attempts, kept));
+        self.waiting.push_back((call, attempt, kept));
         true
     }
 
-    /// The releases that have waited for a slot past the lease, taken out: to be dropped.
+    /// The releases waiting for a slot whose first attempt is past the lease, taken out:
+    /// to be dropped.
     pub fn expire_waiting(&mut self, now: SystemTime) -> Vec<HttpCall> {
-        let mut expired = Vec::new();
-        while let Some((since, ..)) = self.waiting.front() {
-            let waited = now.duration_since(*since).unwrap_or_default();
-            if waited <= LONGEST_WAIT_FOR_SLOT {
-                break;
-            }
-            if let Some((_, call, ..)) = self.waiting.pop_front() {
-                expired.push(call);
-            }
+        let past_lease = |attempt: &Attempt| {
+            now.duration_since(attempt.first_sent).unwrap_or_default() > LONGEST_WAIT_FOR_SLOT
+        };
+        // A release sent again joins the queue behind newer ones: any of them may be stale.
+        if !self
+            .waiting
+            .iter()
+            .any(|(_, attempt, _)| past_lease(attempt))
+        {
+            return Vec::new();
         }
-        expired
+        let (expired, waiting): (VecDeque<_>, VecDeque<_>) = self
+            .waiting
+            .drain(..)
+            .partition(|(_, attempt, _)| past_lease(attempt));
+        self.waiting = waiting;
+        expired.into_iter().map(|(call, ..)| call).collect()
     }
 
     /// The release that has waited longest, with the slot it now holds; `None` when none
     /// waits or no slot is free.
-    pub fn next_waiting_release(&mut self) -> Option<(HttpCall, u32)> {
+    pub fn next_waiting_release(&mut self) -> Option<(HttpCall, Attempt)> {
         if self.waiting.is_empty() || !self.releases.try_start() {
             return None;
         }
         self.waiting
             .pop_front()
-            .map(|(_, call, attempts, _)| (call, attempts))
+            .map(|(call, attempt, _)| (call, attempt))
     }
 
-    /// The release whose slot was taken went out with `token`, or (`None`) could not; it
-    /// was attempt number `attempts` (from 1) of `call`. One Envoy refused at once (a full
-    /// decode pool, no healthy host) is returned, to be sent again while attempts are left.
+    /// The release whose slot was taken went out with `token`, or (`None`) could not, at
+    /// `attempt`. One Envoy refused at once (a full decode pool, no healthy host) is
+    /// returned, to be sent again while attempts are left.
     pub fn release_sent(
         &mut self,
         token: Option<u32>,
         call: &HttpCall,
-        attempts: u32,
+        attempt: Attempt,
     ) -> Option<Retry> {
-        let kept = (attempts < RELEASE_ATTEMPTS)
+        let kept = (attempt.number < RELEASE_ATTEMPTS)
             .then(|| self.keep(call))
             .flatten();
         let retry = kept.map(|kept| Retry {
             call: call.clone(),
-            attempts,
+            attempt,
             _kept: kept,
         });
         match token {
@@ -244,7 +275,7 @@ impl<R> Callouts<R> {
         if self.retries.len() >= self.waiting_bound() {
             return false;
         }
-        let index = usize::try_from(retry.attempts.saturating_sub(1)).unwrap_or(usize::MAX);
+        let index = usize::try_from(retry.attempt.number.saturating_sub(1)).unwrap_or(usize::MAX);
         let wait = RETRY_AFTER
             .get(index)
             .copied()
@@ -253,13 +284,13 @@ impl<R> Callouts<R> {
         true
     }
 
-    /// The releases due to be sent again by `now`, each with its attempt number.
-    pub fn due_retries(&mut self, now: SystemTime) -> Vec<(HttpCall, u32)> {
+    /// The releases due to be sent again by `now`, each with its next attempt.
+    pub fn due_retries(&mut self, now: SystemTime) -> Vec<(HttpCall, Attempt)> {
         let mut due = Vec::new();
         let mut waiting = VecDeque::with_capacity(self.retries.len());
         for (when, retry) in self.retries.drain(..) {
             if when <= now {
-                due.push((retry.call, retry.attempts + 1));
+                due.push((retry.call, retry.attempt.next()));
             } else {
                 waiting.push_back((when, retry));
             }
@@ -279,6 +310,17 @@ mod tests {
     use std::time::Duration;
 
     const T0: SystemTime = SystemTime::UNIX_EPOCH;
+
+    fn first() -> Attempt {
+        Attempt::first(T0)
+    }
+
+    fn last() -> Attempt {
+        Attempt {
+            number: RELEASE_ATTEMPTS,
+            first_sent: T0,
+        }
+    }
 
     fn call() -> HttpCall {
         HttpCall {
@@ -323,7 +365,7 @@ mod tests {
         let mut callouts: Callouts<&str> = Callouts::default();
         callouts.set_release_bound(1, HeldBytes::new(0));
         assert!(callouts.start_release());
-        callouts.release_sent(Some(3), &call(), 1);
+        callouts.release_sent(Some(3), &call(), first());
         assert!(!callouts.start_release(), "the bound is reached");
         let Some(Caller::Release { request_id, .. }) = callouts.answered(3) else {
             panic!("a release's answer");
@@ -331,16 +373,14 @@ mod tests {
         assert_eq!(request_id, "req-9", "the request its log lines name");
         assert!(callouts.start_release(), "the slot came back");
         assert!(
-            callouts.release_sent(None, &call(), 1).is_some(),
+            callouts.release_sent(None, &call(), first()).is_some(),
             "one Envoy refused at once is sent again"
         );
         assert!(
             callouts.start_release(),
             "a release that never went out frees its slot"
         );
-        assert!(callouts
-            .release_sent(None, &call(), RELEASE_ATTEMPTS)
-            .is_none());
+        assert!(callouts.release_sent(None, &call(), last()).is_none());
     }
 
     #[test]
@@ -356,16 +396,16 @@ mod tests {
         let held = HeldBytes::new(2 * size);
         let mut callouts: Callouts<&str> = Callouts::default();
         callouts.set_release_bound(1, held.clone());
-        assert!(callouts.wait_for_slot(heavy.clone(), 1, T0));
-        let retry = callouts.release_sent(None, &heavy, 1).unwrap();
+        assert!(callouts.wait_for_slot(heavy.clone(), first()));
+        let retry = callouts.release_sent(None, &heavy, first()).unwrap();
         assert_eq!(held.held(), 2 * size);
         assert!(
-            !callouts.wait_for_slot(heavy.clone(), 1, T0),
+            !callouts.wait_for_slot(heavy.clone(), first()),
             "the budget is full"
         );
-        assert!(callouts.release_sent(None, &heavy, 1).is_none());
+        assert!(callouts.release_sent(None, &heavy, first()).is_none());
         assert!(
-            callouts.wait_for_slot(call(), 1, T0),
+            callouts.wait_for_slot(call(), first()),
             "a small one still waits"
         );
         drop(retry);
@@ -379,28 +419,28 @@ mod tests {
         let mut callouts: Callouts<&str> = Callouts::default();
         callouts.set_release_bound(1, HeldBytes::new(0));
         assert!(callouts.start_release());
-        callouts.release_sent(Some(1), &call(), 1);
+        callouts.release_sent(Some(1), &call(), first());
         assert!(!callouts.start_release());
         let named = |cluster: &str| HttpCall {
             cluster: cluster.into(),
             ..call()
         };
         for n in 0..WAITING_PER_SLOT {
-            assert!(callouts.wait_for_slot(named(&n.to_string()), 1, T0));
+            assert!(callouts.wait_for_slot(named(&n.to_string()), first()));
         }
         assert!(
-            !callouts.wait_for_slot(named("late"), 1, T0),
+            !callouts.wait_for_slot(named("late"), first()),
             "the wait is bounded"
         );
         assert!(callouts.next_waiting_release().is_none(), "no slot yet");
         callouts.answered(1);
-        let (first, attempts) = callouts.next_waiting_release().unwrap();
-        assert_eq!((&*first.cluster, attempts), ("0", 1));
+        let (first, attempt) = callouts.next_waiting_release().unwrap();
+        assert_eq!((&*first.cluster, attempt.number), ("0", 1));
         assert!(
             callouts.next_waiting_release().is_none(),
             "its slot is taken"
         );
-        callouts.release_sent(Some(2), &first, attempts);
+        callouts.release_sent(Some(2), &first, attempt);
         callouts.answered(2);
         assert_eq!(&*callouts.next_waiting_release().unwrap().0.cluster, "1");
     }
@@ -419,9 +459,9 @@ mod tests {
             body: vec![b'1'; 2 * SMALL_RELEASE_BYTES],
             ..named("old")
         };
-        assert!(callouts.wait_for_slot(heavy, 1, T0));
+        assert!(callouts.wait_for_slot(heavy, first()));
         let later = T0 + Duration::from_secs(20);
-        assert!(callouts.wait_for_slot(named("recent"), 1, later));
+        assert!(callouts.wait_for_slot(named("recent"), Attempt::first(later)));
         assert!(callouts
             .expire_waiting(T0 + LONGEST_WAIT_FOR_SLOT)
             .is_empty());
@@ -429,9 +469,34 @@ mod tests {
         let clusters: Vec<&str> = expired.iter().map(|call| &*call.cluster).collect();
         assert_eq!(clusters, ["old"]);
         assert_eq!(held.held(), 0, "what it kept in the VM is given back");
-        callouts.release_sent(None, &call(), RELEASE_ATTEMPTS);
+        callouts.release_sent(None, &call(), last());
         let (next, _) = callouts.next_waiting_release().unwrap();
         assert_eq!(&*next.cluster, "recent");
+    }
+
+    #[test]
+    fn the_lease_counts_from_a_releases_first_attempt() {
+        let mut callouts: Callouts<&str> = Callouts::default();
+        callouts.set_release_bound(1, HeldBytes::new(0));
+        assert!(callouts.start_release());
+        let named = |cluster: &str| HttpCall {
+            cluster: cluster.into(),
+            ..call()
+        };
+        let at = |secs: u64| T0 + Duration::from_secs(secs);
+        // A new release queues first; one sent again, first tried at 0 s, queues behind it.
+        assert!(callouts.wait_for_slot(named("new"), Attempt::first(at(20))));
+        let retried = Attempt {
+            number: 4,
+            first_sent: T0,
+        };
+        assert!(callouts.wait_for_slot(named("retried"), retried));
+        assert!(callouts.expire_waiting(at(30)).is_empty());
+        let expired = callouts.expire_waiting(at(31));
+        let clusters: Vec<&str> = expired.iter().map(|call| &*call.cluster).collect();
+        assert_eq!(clusters, ["retried"], "though it waited 1 s only");
+        callouts.release_sent(None, &call(), last());
+        assert_eq!(&*callouts.next_waiting_release().unwrap().0.cluster, "new");
     }
 
     #[test]
@@ -440,11 +505,11 @@ mod tests {
         let at = |secs: u64| start + Duration::from_secs(secs);
         let mut callouts: Callouts<&str> = Callouts::default();
         callouts.set_release_bound(2, HeldBytes::new(0));
-        let mut attempts = 1;
+        let mut attempt = Attempt::first(start);
         let mut now = start;
         loop {
             assert!(callouts.start_release());
-            callouts.release_sent(Some(9), &call(), attempts);
+            callouts.release_sent(Some(9), &call(), attempt);
             let Some(Caller::Release { retry, .. }) = callouts.answered(9) else {
                 panic!("a release");
             };
@@ -456,11 +521,15 @@ mod tests {
             now += Duration::from_secs(15);
             let due = callouts.due_retries(now);
             assert_eq!(due.len(), 1);
-            attempts = due[0].1;
+            attempt = due[0].1;
+            assert_eq!(
+                attempt.first_sent, start,
+                "the first attempt's time is kept"
+            );
             assert!(!callouts.retries_waiting());
         }
         assert_eq!(
-            attempts, RELEASE_ATTEMPTS,
+            attempt.number, RELEASE_ATTEMPTS,
             "every attempt made, then no more"
         );
 
@@ -469,14 +538,14 @@ mod tests {
             body: vec![b'x'; SMALL_RELEASE_BYTES + 1],
             ..call()
         };
-        callouts.release_sent(Some(1), &large, 1);
+        callouts.release_sent(Some(1), &large, first());
         assert!(matches!(
             callouts.answered(1),
             Some(Caller::Release { retry: None, .. })
         ));
         let bound = 2 * WAITING_PER_SLOT as u32;
         for n in 0..bound + 1 {
-            callouts.release_sent(Some(n), &call(), 1);
+            callouts.release_sent(Some(n), &call(), first());
             let Some(Caller::Release {
                 retry: Some(retry), ..
             }) = callouts.answered(n)

@@ -37,7 +37,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Status};
 
 use crate::abandoned::AbandonedPrefills;
-use crate::callouts::{Caller, Callouts, Job, Retry};
+use crate::callouts::{Attempt, Caller, Callouts, Job, Retry};
 use crate::config::Config;
 use crate::headers::HeaderLookup;
 use crate::held_bytes::HeldBytes;
@@ -152,6 +152,11 @@ fn log_level(level: u32) -> Option<LogLevel> {
         5 => LogLevel::Critical,
         _ => return None,
     })
+}
+
+/// A release's first attempt, from now.
+fn first_attempt() -> Attempt {
+    Attempt::first(host::now().unwrap_or(UNIX_EPOCH))
 }
 
 fn as_pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
@@ -304,7 +309,7 @@ impl Worker {
             // Nothing to do for a client gone before its prefill went out.
             Job::Prefill(request, _) if !request.alive.get() => {}
             Job::Prefill(request, call) => self.dispatch_prefill(&request, &call, context, clock),
-            Job::Release(call) => self.dispatch_release(&call, 1),
+            Job::Release(call) => self.dispatch_release(&call, first_attempt()),
         }
     }
 
@@ -349,17 +354,15 @@ impl Worker {
         self.act_on(request, commands, context, clock);
     }
 
-    /// Sends attempt number `attempts` (from 1) of a release, or keeps it until a release
-    /// in flight has answered.
-    fn dispatch_release(&self, call: &HttpCall, attempts: u32) {
+    /// Sends an attempt at a release, or keeps it until a release in flight has answered.
+    fn dispatch_release(&self, call: &HttpCall, attempt: Attempt) {
         if !self.callouts.borrow_mut().start_release() {
-            let now = host::now().unwrap_or(UNIX_EPOCH);
             // Stale ones first: they must not take the places of new ones.
-            self.drop_expired_releases(now);
+            self.drop_expired_releases(host::now().unwrap_or(UNIX_EPOCH));
             let waits = self
                 .callouts
                 .borrow_mut()
-                .wait_for_slot(call.clone(), attempts, now);
+                .wait_for_slot(call.clone(), attempt);
             if !waits {
                 log::warn!(
                     "[{}] KV release dropped: too many wait for a slot \
@@ -370,7 +373,7 @@ impl Worker {
             }
             return;
         }
-        let _ = self.send_release(call, attempts);
+        let _ = self.send_release(call, attempt);
     }
 
     /// Sends the releases that waited for the slots now free. One Envoy refuses at once
@@ -380,20 +383,21 @@ impl Worker {
         self.drop_expired_releases(host::now().unwrap_or(UNIX_EPOCH));
         loop {
             let next = self.callouts.borrow_mut().next_waiting_release();
-            let Some((call, attempts)) = next else { break };
-            if !self.send_release(&call, attempts) && self.ticking.get() {
+            let Some((call, attempt)) = next else { break };
+            if !self.send_release(&call, attempt) && self.ticking.get() {
                 break;
             }
         }
     }
 
-    /// Drops the releases that waited for a slot longer than vLLM 0.33's lease.
+    /// Drops the waiting releases whose first attempt is older than vLLM 0.33's lease.
     fn drop_expired_releases(&self, now: SystemTime) {
         let expired = self.callouts.borrow_mut().expire_waiting(now);
         for call in expired {
             log::warn!(
-                "[{}] KV release dropped: it waited 30 s for a slot (max_kv_releases_in_flight; \
-                 decode answers releases slowly), as long as vLLM 0.33 holds KV nobody reads",
+                "[{}] KV release dropped: 30 s after its first attempt it still waited for a \
+                 slot (max_kv_releases_in_flight; decode answers releases slowly), and vLLM \
+                 0.33 holds KV nobody reads that long",
                 call.request_id()
             );
             self.record(Metric::KvReleaseDropped);
@@ -401,12 +405,12 @@ impl Worker {
     }
 
     /// Sends a release whose slot is taken; whether it went out.
-    fn send_release(&self, call: &HttpCall, attempts: u32) -> bool {
+    fn send_release(&self, call: &HttpCall, attempt: Attempt) -> bool {
         let sent = self.try_dispatch(call);
         let retry = self
             .callouts
             .borrow_mut()
-            .release_sent(sent.ok(), call, attempts);
+            .release_sent(sent.ok(), call, attempt);
         match sent {
             Ok(_) => return true,
             Err(Status::BadArgument) => {
@@ -424,9 +428,10 @@ impl Worker {
                 // release as for the request it follows.
                 log::warn!(
                     "[{}] KV release to cluster {:?} refused by Envoy at once (attempt \
-                     {attempts}): its pool is full or has no healthy host",
+                     {}): its pool is full or has no healthy host",
                     call.request_id(),
-                    call.cluster
+                    call.cluster,
+                    attempt.number
                 );
                 match retry {
                     Some(retry) => self.release_unreached(retry),
@@ -469,8 +474,8 @@ impl Worker {
     fn on_tick(&self) {
         let now = host::now().unwrap_or(UNIX_EPOCH);
         let due = self.callouts.borrow_mut().due_retries(now);
-        for (call, attempts) in due {
-            self.dispatch_release(&call, attempts);
+        for (call, attempt) in due {
+            self.dispatch_release(&call, attempt);
         }
         // Those that stopped waiting for a slot when Envoy refused one at once.
         self.send_waiting_releases();
@@ -571,7 +576,7 @@ impl Worker {
 
     fn release_call(&self, call: HttpCall, context: In, clock: &Clock) {
         match context {
-            In::Root => self.dispatch_release(&call, 1),
+            In::Root => self.dispatch_release(&call, first_attempt()),
             In::Request => self.hand_over(Job::Release(call), clock),
         }
     }
