@@ -134,4 +134,4 @@ image: build ## The filter as an OCI image for Istio's WasmPlugin (IMAGE=name:ta
 	fi
 
 help: ## List the targets
-	@awk -F ':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  %-13s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
+	@awk -F ':.*## ' '/^[a-z][a-z-]*:.*## / { printf "  %-19s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)

@@ -127,7 +127,7 @@ async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
             "prompt-list",
             COMPLETIONS,
             r#"{"prompt":["one two three","four five six seven"],"max_tokens":3}"#,
-            "a list of several prompts cannot be served",
+            "a list of several prompts",
         ),
         (
             "echo-logprobs",
@@ -140,7 +140,7 @@ async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
             "embeds-and-prompt",
             COMPLETIONS,
             r#"{"prompt":"","prompt_embeds":"UEsDBAAACAgAAAAAAAAAAAAA","max_tokens":3}"#,
-            "a list of several prompts cannot be served",
+            "prompt_embeds beside a prompt count as two",
         ),
         (
             "chat-echo",

@@ -12,7 +12,7 @@ Faults, asked for anywhere in a request body's text:
   mock:prefill_status=N, mock:decode_status=N   answer status N with a vLLM error body
   mock:prefill_retry_after=N, mock:decode_retry_after=N   with such a status, retry-after: N
   mock:prefill_delay_ms=N, mock:decode_delay_ms=N   wait N ms before answering
-  mock:prefill_reset                             close the connection without answering
+  mock:prefill_reset, mock:decode_reset           close the connection without answering
   mock:decode_gzip                               answer gzip-compressed (stored blocks)
   mock:decode_extra_prompt_tokens=N              count N prompt tokens more than prefill
   mock:prefill_reset_mid_answer, mock:decode_reset_mid_stream   cut the answer short

@@ -283,10 +283,10 @@ pub fn prepare_with(
     }
     if api == Api::Completions && batches_prompts(&object) {
         return Err(ClientError::bad_request(
-            "a list of several prompts cannot be served through prefill/decode \
-             disaggregation: vLLM's prefill hands over the KV of the first prompt only, so \
-             the others' KV would wait on prefill until vLLM's timeout; send one prompt per \
-             request",
+            "a list of several prompts (prompt_embeds beside a prompt count as two) cannot be \
+             served through prefill/decode disaggregation: vLLM's prefill hands over the KV \
+             of the first prompt only, so the others' KV would wait on prefill until vLLM's \
+             timeout; send one prompt per request",
         ));
     }
     if api == Api::Completions && echoes_prompt_logprobs(&object) {
