@@ -761,7 +761,10 @@ impl RootContext for PdRoot {
                 } else {
                     log::debug!("{summary}");
                 }
-                self.held = HeldBytes::new(config.max_vm_held_bytes);
+                self.held = HeldBytes::with_room_for_small(
+                    config.max_vm_held_bytes,
+                    config.max_request_body_bytes,
+                );
                 self.worker
                     .callouts
                     .borrow_mut()

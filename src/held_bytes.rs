@@ -8,11 +8,18 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
+/// A reservation up to this size is small: what an ordinary request keeps (its headers for a
+/// KV release, its request id, the head of its body), as against a whole body or prompt
+/// logprobs.
+const SMALL_RESERVATION: usize = 16 * 1024;
+
 /// The bytes held in one VM (one per Envoy worker), shared by its requests.
 #[derive(Clone, Debug)]
 pub struct HeldBytes {
     held: Rc<Cell<usize>>,
     limit: usize,
+    /// How far large reservations may fill the budget: the rest is kept for small ones.
+    large_limit: usize,
 }
 
 impl HeldBytes {
@@ -20,17 +27,34 @@ impl HeldBytes {
         HeldBytes {
             held: Rc::new(Cell::new(0)),
             limit,
+            large_limit: limit,
+        }
+    }
+
+    /// A budget whose last quarter only small reservations may take, as far as one large
+    /// reservation of `largest` bytes still fits: a client that fills the VM with prompt
+    /// logprobs its decodes keep waiting must not get every other request refused.
+    pub fn with_room_for_small(limit: usize, largest: usize) -> HeldBytes {
+        let room = (limit / 4).min(limit.saturating_sub(largest));
+        HeldBytes {
+            large_limit: limit - room,
+            ..HeldBytes::new(limit)
         }
     }
 
     /// Room for `bytes` more, given back when the reservation is dropped; `None` when the
     /// budget has no such room.
     pub fn reserve(&self, bytes: usize) -> Option<Reservation> {
+        let limit = if bytes > SMALL_RESERVATION {
+            self.large_limit
+        } else {
+            self.limit
+        };
         let total = self
             .held
             .get()
             .checked_add(bytes)
-            .filter(|total| *total <= self.limit)?;
+            .filter(|total| *total <= limit)?;
         self.held.set(total);
         Some(Reservation {
             held: Rc::clone(&self.held),
@@ -78,5 +102,26 @@ mod tests {
         assert_eq!(budget.held(), 0);
         assert!(budget.reserve(usize::MAX).is_none());
         assert!(HeldBytes::new(usize::MAX).reserve(usize::MAX).is_some());
+    }
+
+    #[test]
+    fn large_reservations_leave_the_last_quarter_to_small_ones() {
+        const MIB: usize = 1 << 20;
+        let budget = HeldBytes::with_room_for_small(16 * MIB, 4 * MIB);
+        let large: Vec<Reservation> = (0..3).map(|_| budget.reserve(4 * MIB).unwrap()).collect();
+        assert!(budget.reserve(SMALL_RESERVATION + 1).is_none(), "at 12 MiB");
+        let small: Vec<Reservation> = (0..256)
+            .map(|_| budget.reserve(SMALL_RESERVATION).unwrap())
+            .collect();
+        assert_eq!(budget.held(), 16 * MIB);
+        assert!(budget.reserve(1).is_none(), "full");
+        drop(small);
+        drop(large);
+        assert_eq!(budget.held(), 0);
+        // One reservation of the largest size fits however small the budget is.
+        let tight = HeldBytes::with_room_for_small(6 * MIB, 5 * MIB);
+        let _largest = tight.reserve(5 * MIB).unwrap();
+        assert!(tight.reserve(2 * MIB).is_none());
+        assert!(tight.reserve(SMALL_RESERVATION).is_some());
     }
 }

@@ -1205,6 +1205,9 @@ async fn a_clients_envoy_retry_headers_never_send_decode_the_request_twice() {
     assert_still_serves("default").await;
 }
 
+/// The tests that fill `small_vm_budget`'s VMs, one at a time.
+static SMALL_VM_BUDGET: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Prompt logprobs wait in the VM until decode answers, and whole bodies while prefill
 /// works: Envoy's heap monitor cannot see that memory, and an allocation the VM cannot make
 /// kills it for every request on its worker (an audit did so with 180 streams of 280 KB
@@ -1212,6 +1215,7 @@ async fn a_clients_envoy_retry_headers_never_send_decode_the_request_twice() {
 /// with a 503 and its KV released; the VM lives, and serves again once the others finish.
 #[tokio::test]
 async fn requests_that_hold_memory_in_the_vm_are_refused_past_its_budget() {
+    let _alone = SMALL_VM_BUDGET.lock().await;
     const CLIENTS: usize = 6;
     let words: Vec<String> = (0..14_000).map(|i| format!("w{i}")).collect();
     let prompt = format!("{} mock:decode_delay_ms=1500", words.join(" "));
@@ -1259,12 +1263,64 @@ async fn requests_that_hold_memory_in_the_vm_are_refused_past_its_budget() {
     assert_eq!(again.status, 200, "{}", preview(&again.body));
 }
 
+/// One client that fills the VM's budget with prompt logprobs its decodes keep waiting
+/// (a review held 69 such requests on one HTTP/2 connection) must not get every other
+/// request on the worker refused: large holdings (above 16 KiB) stop at three quarters of
+/// the budget, and an ordinary request keeps a few hundred bytes.
+#[tokio::test]
+async fn prompt_logprobs_leave_room_in_the_vm_for_other_requests() {
+    let _alone = SMALL_VM_BUDGET.lock().await;
+    let words: Vec<String> = (0..14_000).map(|i| format!("w{i}")).collect();
+    let holder = |count: usize| {
+        let prompt = format!("{} mock:decode_delay_ms=3000", words[..count].join(" "));
+        json!({"model": "m", "prompt": prompt, "max_tokens": 3, "prompt_logprobs": 1})
+    };
+    // Large, then smaller and smaller (the smallest 21 KB), so that together they would
+    // fill the budget to within 21 KB.
+    let holders: Vec<(String, Value)> = [(4, 14_000), (10, 2_000), (150, 350)]
+        .into_iter()
+        .flat_map(|(count, words)| std::iter::repeat_n(words, count))
+        .map(|words| (unique_id("vm-holder"), holder(words)))
+        .collect();
+    let holding = futures_util::future::join_all(holders.iter().map(|(id, body)| {
+        Request::post("small_vm_budget", "/v1/completions")
+            .id(id)
+            .body(body.to_string())
+            .send()
+    }));
+    let others = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        // Small holdings (prompt logprobs of 200 tokens, 12 KB): 24 of them fit in the
+        // quarter the large ones leave, wherever they land; in what was left of a budget the
+        // large ones could fill, a few did.
+        let small = json!({"model": "m", "prompt": format!("{} mock:decode_delay_ms=1000",
+            words[..200].join(" ")), "max_tokens": 3, "prompt_logprobs": 1});
+        let ids: Vec<String> = (0..24).map(|_| unique_id("vm-other")).collect();
+        let replies = futures_util::future::join_all(ids.iter().map(|id| {
+            Request::post("small_vm_budget", "/v1/completions")
+                .id(id)
+                .body(small.to_string())
+                .send()
+        }))
+        .await;
+        (ids, replies)
+    };
+    let (held, (ids, replies)) = tokio::join!(holding, others);
+    let refused = held.iter().filter(|reply| reply.status == 503).count();
+    assert!(refused > 0, "the holders did not reach the budget");
+    for (id, reply) in ids.iter().zip(&replies) {
+        assert_eq!(reply.status, 200, "{id}: {}", preview(&reply.body));
+    }
+    assert_healthy();
+}
+
 /// Completions put prefill's prompt logprobs into each of decode's choices. However the
 /// client spells `n`, as pydantic reads it, the copies are counted before decode runs: a
 /// spelling the filter once read as one (`"+40"`) let the answer grow to n copies in the VM,
 /// and an `n` in the thousands made an allocation the VM could not make, killing it.
 #[tokio::test]
 async fn every_spelling_of_n_counts_the_prompt_logprobs_copies() {
+    let _alone = SMALL_VM_BUDGET.lock().await;
     let words: Vec<String> = (0..4_000).map(|i| format!("w{i}")).collect();
     for n in [
         r#""+40""#,
