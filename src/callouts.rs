@@ -45,10 +45,25 @@ impl Attempt {
 
     fn next(self) -> Attempt {
         Attempt {
-            number: self.number + 1,
+            number: self.number.saturating_add(1),
             ..self
         }
     }
+
+    /// Whether an attempt made at `now` would come after vLLM 0.33's lease, when prefill
+    /// has freed the blocks itself and a release costs decode a token for nothing.
+    pub fn past_lease(&self, now: SystemTime) -> bool {
+        now.duration_since(self.first_sent).unwrap_or_default() > RELEASE_LEASE
+    }
+}
+
+/// Why a release was not kept to be sent again.
+#[derive(Debug, PartialEq, Eq)]
+pub enum NotKept {
+    /// As many as may wait already do.
+    TooMany,
+    /// It would be due past the lease.
+    PastLease,
 }
 
 /// A release to send again if decode could not be reached.
@@ -65,14 +80,14 @@ impl Retry {
     }
 }
 
-/// Attempts a release gets in all; the waits before the second and later ones, 30 s in all:
-/// vLLM 0.33 frees prefill's blocks itself after a 30 s lease.
+/// Attempts a release gets in all; the waits before the second and later ones, 24 s in all,
+/// leave the attempts themselves room within vLLM 0.33's 30 s lease.
 pub const RELEASE_ATTEMPTS: u32 = 5;
 const RETRY_AFTER: [Duration; 4] = [
     Duration::from_secs(1),
-    Duration::from_secs(4),
-    Duration::from_secs(10),
-    Duration::from_secs(15),
+    Duration::from_secs(3),
+    Duration::from_secs(8),
+    Duration::from_secs(12),
 ];
 /// A release up to this size, headers and body, is kept to wait (for a slot, or to be sent
 /// again) within the bound on their number: 2 x 16 x `max_kv_releases_in_flight` of them per
@@ -80,11 +95,11 @@ const RETRY_AFTER: [Duration; 4] = [
 /// list thousands of blocks; a client's large `baggage`) is kept only while it fits in the
 /// VM's held-bytes budget, and counts against it.
 const SMALL_RELEASE_BYTES: usize = 8192;
-/// How long after its first attempt a release may still wait for a slot. After vLLM 0.33's
-/// 30 s lease prefill has freed the blocks itself, and a release sent then costs decode a
-/// token for nothing: a decode that took seconds per release left a queue that went out 60
-/// to 90 s late, in a burst.
-const LONGEST_WAIT_FOR_SLOT: Duration = Duration::from_secs(30);
+/// How long after its first attempt a release may still go out. After vLLM 0.33's 30 s lease
+/// prefill has freed the blocks itself, and a release sent then costs decode a token for
+/// nothing: a decode that took seconds per release left a queue that went out 60 to 90 s
+/// late, in a burst.
+const RELEASE_LEASE: Duration = Duration::from_secs(30);
 /// Releases that may wait, per release that may be in flight, for a slot and (as many
 /// again) to be sent again: a burst of clients leaving at once, or the requests of a decode
 /// outage of seconds (a few hundred bytes each), waits rather than strands its KV.
@@ -199,9 +214,7 @@ impl<R> Callouts<R> {
     /// The releases waiting for a slot whose first attempt is past the lease, taken out:
     /// to be dropped.
     pub fn expire_waiting(&mut self, now: SystemTime) -> Vec<HttpCall> {
-        let past_lease = |attempt: &Attempt| {
-            now.duration_since(attempt.first_sent).unwrap_or_default() > LONGEST_WAIT_FOR_SLOT
-        };
+        let past_lease = |attempt: &Attempt| attempt.past_lease(now);
         // A release sent again joins the queue behind newer ones: any of them may be stale.
         if !self
             .waiting
@@ -269,19 +282,23 @@ impl<R> Callouts<R> {
         caller
     }
 
-    /// Keeps a release that could not reach decode to send again later; `false` when too
-    /// many already wait (it is dropped).
-    pub fn retry_later(&mut self, retry: Retry, now: SystemTime) -> bool {
+    /// Keeps a release that could not reach decode to send again later, or says why not
+    /// (it is dropped).
+    pub fn retry_later(&mut self, retry: Retry, now: SystemTime) -> Result<(), NotKept> {
         if self.retries.len() >= self.waiting_bound() {
-            return false;
+            return Err(NotKept::TooMany);
         }
         let index = usize::try_from(retry.attempt.number.saturating_sub(1)).unwrap_or(usize::MAX);
         let wait = RETRY_AFTER
             .get(index)
             .copied()
             .unwrap_or(Duration::from_secs(4));
-        self.retries.push_back((now + wait, retry));
-        true
+        let due = now + wait;
+        if retry.attempt.past_lease(due) {
+            return Err(NotKept::PastLease);
+        }
+        self.retries.push_back((due, retry));
+        Ok(())
     }
 
     /// The releases due to be sent again by `now`, each with its next attempt.
@@ -462,9 +479,7 @@ mod tests {
         assert!(callouts.wait_for_slot(heavy, first()));
         let later = T0 + Duration::from_secs(20);
         assert!(callouts.wait_for_slot(named("recent"), Attempt::first(later)));
-        assert!(callouts
-            .expire_waiting(T0 + LONGEST_WAIT_FOR_SLOT)
-            .is_empty());
+        assert!(callouts.expire_waiting(T0 + RELEASE_LEASE).is_empty());
         let expired = callouts.expire_waiting(later + Duration::from_secs(15));
         let clusters: Vec<&str> = expired.iter().map(|call| &*call.cluster).collect();
         assert_eq!(clusters, ["old"]);
@@ -516,9 +531,9 @@ mod tests {
             let Some(retry) = retry else {
                 break;
             };
-            assert!(callouts.retry_later(retry, now));
+            assert_eq!(callouts.retry_later(retry, now), Ok(()));
             assert!(callouts.due_retries(now).is_empty(), "not yet");
-            now += Duration::from_secs(15);
+            now += RETRY_AFTER[attempt.number as usize - 1];
             let due = callouts.due_retries(now);
             assert_eq!(due.len(), 1);
             attempt = due[0].1;
@@ -532,6 +547,18 @@ mod tests {
             attempt.number, RELEASE_ATTEMPTS,
             "every attempt made, then no more"
         );
+        assert!(now <= start + RELEASE_LEASE, "all within the lease");
+
+        // One whose attempts took long (each up to its timeout) is not sent past the lease.
+        assert!(callouts.start_release());
+        callouts.release_sent(Some(8), &call(), Attempt::first(start));
+        let Some(Caller::Release {
+            retry: Some(retry), ..
+        }) = callouts.answered(8)
+        else {
+            panic!("a retry");
+        };
+        assert_eq!(callouts.retry_later(retry, at(30)), Err(NotKept::PastLease));
 
         // A large body is not kept past the VM's budget; too many waiting are dropped.
         let large = HttpCall {
@@ -545,16 +572,21 @@ mod tests {
         ));
         let bound = 2 * WAITING_PER_SLOT as u32;
         for n in 0..bound + 1 {
-            callouts.release_sent(Some(n), &call(), first());
+            callouts.release_sent(Some(n), &call(), Attempt::first(start));
             let Some(Caller::Release {
                 retry: Some(retry), ..
             }) = callouts.answered(n)
             else {
                 panic!("a retry");
             };
+            let expected = if n < bound {
+                Ok(())
+            } else {
+                Err(NotKept::TooMany)
+            };
             assert_eq!(
                 callouts.retry_later(retry, at(0)),
-                n < bound,
+                expected,
                 "bound {bound}"
             );
         }

@@ -37,7 +37,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Status};
 
 use crate::abandoned::AbandonedPrefills;
-use crate::callouts::{Attempt, Caller, Callouts, Job, Retry};
+use crate::callouts::{Attempt, Caller, Callouts, Job, NotKept, Retry};
 use crate::config::Config;
 use crate::headers::HeaderLookup;
 use crate::held_bytes::HeldBytes;
@@ -356,6 +356,11 @@ impl Worker {
 
     /// Sends an attempt at a release, or keeps it until a release in flight has answered.
     fn dispatch_release(&self, call: &HttpCall, attempt: Attempt) {
+        // A first attempt is made now; a later one may come too late.
+        if attempt.number > 1 && attempt.past_lease(host::now().unwrap_or(UNIX_EPOCH)) {
+            self.release_past_lease(call);
+            return;
+        }
         if !self.callouts.borrow_mut().start_release() {
             // Stale ones first: they must not take the places of new ones.
             self.drop_expired_releases(host::now().unwrap_or(UNIX_EPOCH));
@@ -366,7 +371,7 @@ impl Worker {
             if !waits {
                 log::warn!(
                     "[{}] KV release dropped: too many wait for a slot \
-                     (max_kv_releases_in_flight)",
+                     (max_kv_releases_in_flight), or it is larger than the VM may keep",
                     call.request_id()
                 );
                 self.record(Metric::KvReleaseDropped);
@@ -394,14 +399,18 @@ impl Worker {
     fn drop_expired_releases(&self, now: SystemTime) {
         let expired = self.callouts.borrow_mut().expire_waiting(now);
         for call in expired {
-            log::warn!(
-                "[{}] KV release dropped: 30 s after its first attempt it still waited for a \
-                 slot (max_kv_releases_in_flight; decode answers releases slowly), and vLLM \
-                 0.33 holds KV nobody reads that long",
-                call.request_id()
-            );
-            self.record(Metric::KvReleaseDropped);
+            self.release_past_lease(&call);
         }
+    }
+
+    fn release_past_lease(&self, call: &HttpCall) {
+        log::warn!(
+            "[{}] KV release dropped: 30 s after its first attempt it had not gone out \
+             (decode unreachable, or slow to answer releases: max_kv_releases_in_flight), and \
+             vLLM 0.33 holds KV nobody reads that long",
+            call.request_id()
+        );
+        self.record(Metric::KvReleaseDropped);
     }
 
     /// Sends a release whose slot is taken; whether it went out.
@@ -454,13 +463,25 @@ impl Worker {
     fn release_unreached(&self, retry: Retry) {
         let now = host::now().unwrap_or(UNIX_EPOCH);
         let request_id = retry.request_id().to_owned();
-        if !self.callouts.borrow_mut().retry_later(retry, now) {
-            log::warn!(
-                "[{request_id}] KV release dropped: decode could not be reached and too many \
-                 releases wait to be sent again"
-            );
-            self.record(Metric::KvReleaseDropped);
-            return;
+        let kept = self.callouts.borrow_mut().retry_later(retry, now);
+        match kept {
+            Ok(()) => {}
+            Err(NotKept::TooMany) => {
+                log::warn!(
+                    "[{request_id}] KV release dropped: decode could not be reached and too \
+                     many releases wait to be sent again"
+                );
+                self.record(Metric::KvReleaseDropped);
+                return;
+            }
+            Err(NotKept::PastLease) => {
+                log::warn!(
+                    "[{request_id}] KV release dropped: decode could not be reached, and the \
+                     next attempt would come after vLLM 0.33's 30 s lease"
+                );
+                self.record(Metric::KvReleaseDropped);
+                return;
+            }
         }
         if !self.ticking.replace(true) {
             if let Err(status) = host::set_tick_period(RETRY_TICK) {

@@ -123,5 +123,11 @@ mod tests {
         let _largest = tight.reserve(5 * MIB).unwrap();
         assert!(tight.reserve(2 * MIB).is_none());
         assert!(tight.reserve(SMALL_RESERVATION).is_some());
+        // A budget of one largest body keeps no room aside; none keeps nothing.
+        let equal = HeldBytes::with_room_for_small(4 * MIB, 4 * MIB);
+        assert!(equal.reserve(4 * MIB).is_some());
+        let none = HeldBytes::with_room_for_small(0, 0);
+        assert!(none.reserve(1).is_none());
+        assert!(none.reserve(0).is_some());
     }
 }

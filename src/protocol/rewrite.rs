@@ -277,8 +277,7 @@ pub fn prepare_with(
         return Err(ClientError::bad_request(
             "previous_response_id cannot be served through prefill/decode disaggregation: \
              each vLLM server keeps its stored responses in its own memory, and prefill has \
-             none of them; send the conversation's input instead (or `previous_response`), \
-             or give the servers a shared store",
+             none of them; send the conversation's input instead, or `previous_response`",
         ));
     }
     if api == Api::Completions && batches_prompts(&object) {
@@ -1095,7 +1094,7 @@ mod tests {
         let body = br#"{"input":"and then?","previous_response_id":"resp_1","store":true}"#;
         let per_server = prepare(Api::Responses, body).unwrap_err();
         assert!(
-            per_server.message.contains("shared store"),
+            per_server.message.contains("previous_response_id"),
             "{per_server:?}"
         );
         let shared = PrefillOptions {
