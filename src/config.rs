@@ -500,6 +500,13 @@ enum Shape {
     Choice(&'static [&'static str]),
 }
 
+/// Counts that 0 would make meaningless (no time to answer, no body), refused below.
+const MUST_BE_ABOVE_ZERO: [&str; 3] = [
+    "prefill_timeout_ms",
+    "max_request_body_bytes",
+    "kv_release_timeout_ms",
+];
+
 const SHAPES: &[(&str, Shape)] = &[
     ("model_prefill_clusters", Shape::TextMap),
     ("model_header", Shape::OptionalText),
@@ -586,6 +593,9 @@ fn check_shapes(value: &serde_json::Value) -> Result<(), ConfigError> {
             (Shape::Count(max), Value::Number(n)) => match n.as_u64() {
                 Some(n) if n <= *max => {}
                 Some(_) => return wrong(&format!("a whole number up to {max}")),
+                None if MUST_BE_ABOVE_ZERO.contains(&key.as_str()) => {
+                    return wrong("a whole number, 1 or more")
+                }
                 None => return wrong("a whole number, 0 or more"),
             },
             (Shape::Count(_), _) => return wrong("a whole number"),
@@ -864,7 +874,7 @@ mod tests {
             ),
             (
                 r#"{"max_request_body_bytes":1e9}"#,
-                "max_request_body_bytes must be a whole number, 0 or more, not 1000000000.0",
+                "max_request_body_bytes must be a whole number, 1 or more, not 1000000000.0",
             ),
             ("[]", "must be a JSON object"),
             (r#"{"paths":[]}"#, "at least one path"),
@@ -924,6 +934,10 @@ mod tests {
                 "decode_forces_include_usage must be true or false",
             ),
             (r#"{"prefill_retries":-1}"#, "prefill_retries must be a whole number, 0 or more"),
+            (
+                r#"{"prefill_timeout_ms":-1}"#,
+                "prefill_timeout_ms must be a whole number, 1 or more",
+            ),
             (r#"{"prefill_retries":11}"#, "at most 10"),
             // The per-worker bounds: a count, 0 turning them off.
             (
