@@ -319,6 +319,14 @@ impl<R> Callouts<R> {
     pub fn retries_waiting(&self) -> bool {
         !self.retries.is_empty()
     }
+
+    /// Whether no call is queued, in flight, waiting for a slot or to be sent again.
+    pub fn is_idle(&self) -> bool {
+        self.jobs.is_empty()
+            && self.calls.is_empty()
+            && self.waiting.is_empty()
+            && self.retries.is_empty()
+    }
 }
 
 #[cfg(test)]
@@ -487,6 +495,37 @@ mod tests {
         callouts.release_sent(None, &call(), last());
         let (next, _) = callouts.next_waiting_release().unwrap();
         assert_eq!(&*next.cluster, "recent");
+    }
+
+    #[test]
+    fn idle_only_once_every_call_has_gone_and_answered() {
+        let mut callouts: Callouts<&str> = Callouts::default();
+        callouts.set_release_bound(1, HeldBytes::new(0));
+        assert!(callouts.is_idle());
+        callouts.queue(Job::Release(call()));
+        assert!(!callouts.is_idle(), "queued for the worker's turn");
+        let Some(Job::Release(release)) = callouts.next_job() else {
+            panic!("the release");
+        };
+        assert!(callouts.start_release());
+        callouts.release_sent(Some(4), &release, first());
+        assert!(!callouts.is_idle(), "in flight");
+        let Some(Caller::Release {
+            retry: Some(retry), ..
+        }) = callouts.answered(4)
+        else {
+            panic!("a retry");
+        };
+        assert_eq!(callouts.retry_later(retry, T0), Ok(()));
+        assert!(!callouts.is_idle(), "to be sent again");
+        let due = callouts.due_retries(T0 + Duration::from_secs(1));
+        assert_eq!(due.len(), 1);
+        assert!(callouts.start_release());
+        assert!(callouts.wait_for_slot(due[0].0.clone(), due[0].1));
+        assert!(!callouts.is_idle(), "waiting for a slot");
+        assert_eq!(callouts.expire_waiting(T0 + Duration::from_secs(31)).len(), 1);
+        callouts.release_sent(None, &call(), last());
+        assert!(callouts.is_idle());
     }
 
     #[test]

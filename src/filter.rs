@@ -105,6 +105,9 @@ struct Worker {
     ticking: Cell<bool>,
     callouts: RefCell<Callouts<Rc<Request>>>,
     held_headers: RefCell<HeldHeadersCheck>,
+    /// Envoy is done with the plugin (a new configuration, a drained listener) and the
+    /// root lives on until its calls have finished.
+    finishing: Cell<bool>,
 }
 
 /// A request, shared by its own context and the root (which outlives it).
@@ -191,6 +194,22 @@ impl Worker {
             ticking: Cell::new(false),
             callouts: RefCell::new(Callouts::default()),
             held_headers: RefCell::new(HeldHeadersCheck::default()),
+            finishing: Cell::new(false),
+        }
+    }
+
+    /// Lets Envoy delete a root that outlived its plugin once nothing is left to send or
+    /// answer (Envoy deletes it after the current callback).
+    fn finish_if_idle(&self) {
+        if !self.finishing.get() || !self.callouts.borrow().is_idle() {
+            return;
+        }
+        self.finishing.set(false);
+        if self.ticking.replace(false) {
+            let _ = host::set_tick_period(Duration::ZERO);
+        }
+        if let Err(status) = host::done() {
+            log::warn!("proxy_done: status {status}");
         }
     }
 
@@ -744,6 +763,19 @@ impl Context for PdRoot {
     ) {
         self.worker
             .as_root(|| self.worker.on_answer(token_id, body_size, In::Root));
+        self.worker.finish_if_idle();
+    }
+
+    /// Envoy drops the plugin's root when its configuration goes (a new one pushed, the
+    /// listener drained), and with it every KV release still waiting: the root stays until
+    /// they have gone out or passed the lease, about 30 s at most, plus their timeouts.
+    fn on_done(&mut self) -> bool {
+        if self.worker.callouts.borrow().is_idle() {
+            return true;
+        }
+        log::info!("pd-filter configuration replaced: finishing its KV releases first");
+        self.worker.finishing.set(true);
+        false
     }
 }
 
@@ -803,10 +835,15 @@ impl RootContext for PdRoot {
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         self.worker.on_queue_ready(queue_id);
+        // Not inside a call being sent (its token is not counted yet).
+        if queue_id != SEND_NOW && queue_id != RUN_NOW {
+            self.worker.finish_if_idle();
+        }
     }
 
     fn on_tick(&mut self) {
         self.worker.as_root(|| self.worker.on_tick());
+        self.worker.finish_if_idle();
     }
 
     fn get_type(&self) -> Option<ContextType> {

@@ -34,6 +34,7 @@ extern "C" {
     fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
     fn proxy_get_log_level(return_level: *mut u32) -> u32;
     fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
+    fn proxy_done() -> u32;
     fn proxy_set_effective_context(context_id: u32) -> u32;
     fn proxy_call_foreign_function(
         name: *const u8,
@@ -188,6 +189,11 @@ pub fn log_level() -> Result<u32, u32> {
 pub fn set_tick_period(period: Duration) -> Result<(), u32> {
     let millis = u32::try_from(period.as_millis()).unwrap_or(u32::MAX);
     result(unsafe { proxy_set_tick_period_milliseconds(millis) })
+}
+
+/// Tells the host that the root context, which asked to outlive its plugin, has finished.
+pub fn done() -> Result<(), u32> {
+    result(unsafe { proxy_done() })
 }
 
 /// Makes a request's stream the one later calls act on.
