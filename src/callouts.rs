@@ -523,7 +523,10 @@ mod tests {
         assert!(callouts.start_release());
         assert!(callouts.wait_for_slot(due[0].0.clone(), due[0].1));
         assert!(!callouts.is_idle(), "waiting for a slot");
-        assert_eq!(callouts.expire_waiting(T0 + Duration::from_secs(31)).len(), 1);
+        assert_eq!(
+            callouts.expire_waiting(T0 + Duration::from_secs(31)).len(),
+            1
+        );
         callouts.release_sent(None, &call(), last());
         assert!(callouts.is_idle());
     }
