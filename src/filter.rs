@@ -441,22 +441,19 @@ impl Worker {
             .release_sent(sent.ok(), call, attempt);
         match sent {
             Ok(_) => return true,
-            Err(Status::BadArgument) => {
-                // Every release to this cluster fails alike.
+            Err(status) => {
+                // Sent again later either way: a cluster Envoy does not have may be one a
+                // dynamic configuration is replacing for a few seconds.
+                let why = if status == Status::BadArgument {
+                    "Envoy has no such cluster (decode_cluster, model_decode_clusters)"
+                } else {
+                    // Decode's pool full or without a healthy host, for the release as for
+                    // the request it follows.
+                    "its pool is full or has no healthy host"
+                };
                 log::warn!(
-                    "[{}] KV release could not be sent to cluster {:?}: Envoy has no such \
-                     cluster (decode_cluster, model_decode_clusters)",
-                    call.request_id(),
-                    call.cluster
-                );
-                self.record(Metric::KvReleaseFailed);
-            }
-            Err(_) => {
-                // Refused at once: decode's pool is full or has no healthy host, for the
-                // release as for the request it follows.
-                log::warn!(
-                    "[{}] KV release to cluster {:?} refused by Envoy at once (attempt \
-                     {}): its pool is full or has no healthy host",
+                    "[{}] KV release to cluster {:?} refused by Envoy at once (attempt {}): \
+                     {why}",
                     call.request_id(),
                     call.cluster,
                     attempt.number
