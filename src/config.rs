@@ -289,16 +289,6 @@ impl Config {
         if raw.prefill_cluster.trim().is_empty() {
             return Err(ConfigError("prefill_cluster must not be empty".into()));
         }
-        if raw.prefill_timeout_ms == 0 {
-            return Err(ConfigError(
-                "prefill_timeout_ms must be greater than 0".into(),
-            ));
-        }
-        if raw.max_request_body_bytes == 0 {
-            return Err(ConfigError(
-                "max_request_body_bytes must be greater than 0".into(),
-            ));
-        }
         if raw.max_vm_held_bytes < raw.max_request_body_bytes {
             return Err(ConfigError(format!(
                 "max_vm_held_bytes ({}) must be at least max_request_body_bytes ({})",
@@ -412,11 +402,6 @@ impl Config {
                     .into(),
             ));
         }
-        if raw.kv_release_timeout_ms == 0 {
-            return Err(ConfigError(
-                "kv_release_timeout_ms must be greater than 0".into(),
-            ));
-        }
 
         Ok(Config {
             model_prefill_clusters: raw.model_prefill_clusters,
@@ -500,7 +485,7 @@ enum Shape {
     Choice(&'static [&'static str]),
 }
 
-/// Counts that 0 would make meaningless (no time to answer, no body), refused below.
+/// Counts that 0 would make meaningless (no time to answer, no body).
 const MUST_BE_ABOVE_ZERO: [&str; 3] = [
     "prefill_timeout_ms",
     "max_request_body_bytes",
@@ -591,6 +576,9 @@ fn check_shapes(value: &serde_json::Value) -> Result<(), ConfigError> {
             (Shape::OptionalText, _) => return wrong("a text or null"),
             (Shape::Flag, _) => return wrong("true or false"),
             (Shape::Count(max), Value::Number(n)) => match n.as_u64() {
+                Some(0) if MUST_BE_ABOVE_ZERO.contains(&key.as_str()) => {
+                    return Err(ConfigError(format!("{key} must be greater than 0")))
+                }
                 Some(n) if n <= *max => {}
                 Some(_) => return wrong(&format!("a whole number up to {max}")),
                 None if MUST_BE_ABOVE_ZERO.contains(&key.as_str()) => {
@@ -864,6 +852,10 @@ mod tests {
                 "prefill_cluster must not be empty",
             ),
             (r#"{"prefill_timeout_ms":0}"#, "prefill_timeout_ms"),
+            (
+                r#"{"kv_release_timeout_ms":0}"#,
+                "kv_release_timeout_ms must be greater than 0",
+            ),
             (
                 r#"{"prefill_timeout_ms":"1s"}"#,
                 "prefill_timeout_ms must be a whole number, not the text \"1s\"",
