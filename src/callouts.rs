@@ -293,10 +293,10 @@ impl<R> Callouts<R> {
             .get(index)
             .copied()
             .unwrap_or(Duration::from_secs(4));
-        let due = now + wait;
-        if retry.attempt.past_lease(due) {
-            return Err(NotKept::PastLease);
-        }
+        let due = now
+            .checked_add(wait)
+            .filter(|due| !retry.attempt.past_lease(*due))
+            .ok_or(NotKept::PastLease)?;
         self.retries.push_back((due, retry));
         Ok(())
     }

@@ -157,11 +157,6 @@ fn log_level(level: u32) -> Option<LogLevel> {
     })
 }
 
-/// A release's first attempt, from now.
-fn first_attempt() -> Attempt {
-    Attempt::first(host::now().unwrap_or(UNIX_EPOCH))
-}
-
 fn as_pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
     headers
         .iter()
@@ -328,7 +323,7 @@ impl Worker {
             // Nothing to do for a client gone before its prefill went out.
             Job::Prefill(request, _) if !request.alive.get() => {}
             Job::Prefill(request, call) => self.dispatch_prefill(&request, &call, context, clock),
-            Job::Release(call) => self.dispatch_release(&call, first_attempt()),
+            Job::Release(call) => self.dispatch_release(&call, Attempt::first(clock.now()), clock),
         }
     }
 
@@ -374,15 +369,14 @@ impl Worker {
     }
 
     /// Sends an attempt at a release, or keeps it until a release in flight has answered.
-    fn dispatch_release(&self, call: &HttpCall, attempt: Attempt) {
-        // A first attempt is made now; a later one may come too late.
-        if attempt.number > 1 && attempt.past_lease(host::now().unwrap_or(UNIX_EPOCH)) {
+    fn dispatch_release(&self, call: &HttpCall, attempt: Attempt, clock: &Clock) {
+        if attempt.past_lease(clock.now()) {
             self.release_past_lease(call);
             return;
         }
         if !self.callouts.borrow_mut().start_release() {
             // Stale ones first: they must not take the places of new ones.
-            self.drop_expired_releases(host::now().unwrap_or(UNIX_EPOCH));
+            self.drop_expired_releases(clock.now());
             let waits = self
                 .callouts
                 .borrow_mut()
@@ -480,24 +474,14 @@ impl Worker {
         let now = host::now().unwrap_or(UNIX_EPOCH);
         let request_id = retry.request_id().to_owned();
         let kept = self.callouts.borrow_mut().retry_later(retry, now);
-        match kept {
-            Ok(()) => {}
-            Err(NotKept::TooMany) => {
-                log::warn!(
-                    "[{request_id}] KV release dropped: decode could not be reached and too \
-                     many releases wait to be sent again"
-                );
-                self.record(Metric::KvReleaseDropped);
-                return;
-            }
-            Err(NotKept::PastLease) => {
-                log::warn!(
-                    "[{request_id}] KV release dropped: decode could not be reached, and the \
-                     next attempt would come after vLLM 0.33's 30 s lease"
-                );
-                self.record(Metric::KvReleaseDropped);
-                return;
-            }
+        if let Err(not_kept) = kept {
+            let why = match not_kept {
+                NotKept::TooMany => "too many releases wait to be sent again",
+                NotKept::PastLease => "the next attempt would come after vLLM 0.33's 30 s lease",
+            };
+            log::warn!("[{request_id}] KV release dropped: decode could not be reached, and {why}");
+            self.record(Metric::KvReleaseDropped);
+            return;
         }
         if !self.ticking.replace(true) {
             if let Err(status) = host::set_tick_period(RETRY_TICK) {
@@ -509,10 +493,10 @@ impl Worker {
 
     /// The root's tick: the releases due to be sent again.
     fn on_tick(&self) {
-        let now = host::now().unwrap_or(UNIX_EPOCH);
-        let due = self.callouts.borrow_mut().due_retries(now);
+        let clock = Clock::default();
+        let due = self.callouts.borrow_mut().due_retries(clock.now());
         for (call, attempt) in due {
-            self.dispatch_release(&call, attempt);
+            self.dispatch_release(&call, attempt, &clock);
         }
         // Those that stopped waiting for a slot when Envoy refused one at once.
         self.send_waiting_releases();
@@ -613,7 +597,7 @@ impl Worker {
 
     fn release_call(&self, call: HttpCall, context: In, clock: &Clock) {
         match context {
-            In::Root => self.dispatch_release(&call, first_attempt()),
+            In::Root => self.dispatch_release(&call, Attempt::first(clock.now()), clock),
             In::Request => self.hand_over(Job::Release(call), clock),
         }
     }
