@@ -157,6 +157,11 @@ fn log_level(level: u32) -> Option<LogLevel> {
     })
 }
 
+/// A release's first attempt, from now.
+fn first_attempt() -> Attempt {
+    Attempt::first(host::now().unwrap_or(UNIX_EPOCH))
+}
+
 fn as_pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
     headers
         .iter()
@@ -323,7 +328,7 @@ impl Worker {
             // Nothing to do for a client gone before its prefill went out.
             Job::Prefill(request, _) if !request.alive.get() => {}
             Job::Prefill(request, call) => self.dispatch_prefill(&request, &call, context, clock),
-            Job::Release(call) => self.dispatch_release(&call, Attempt::first(clock.now()), clock),
+            Job::Release(call) => self.dispatch_release(&call, first_attempt()),
         }
     }
 
@@ -369,14 +374,15 @@ impl Worker {
     }
 
     /// Sends an attempt at a release, or keeps it until a release in flight has answered.
-    fn dispatch_release(&self, call: &HttpCall, attempt: Attempt, clock: &Clock) {
-        if attempt.past_lease(clock.now()) {
+    fn dispatch_release(&self, call: &HttpCall, attempt: Attempt) {
+        // A first attempt is made now; a later one may come too late.
+        if attempt.number > 1 && attempt.past_lease(host::now().unwrap_or(UNIX_EPOCH)) {
             self.release_past_lease(call);
             return;
         }
         if !self.callouts.borrow_mut().start_release() {
             // Stale ones first: they must not take the places of new ones.
-            self.drop_expired_releases(clock.now());
+            self.drop_expired_releases(host::now().unwrap_or(UNIX_EPOCH));
             let waits = self
                 .callouts
                 .borrow_mut()
@@ -493,10 +499,10 @@ impl Worker {
 
     /// The root's tick: the releases due to be sent again.
     fn on_tick(&self) {
-        let clock = Clock::default();
-        let due = self.callouts.borrow_mut().due_retries(clock.now());
+        let now = host::now().unwrap_or(UNIX_EPOCH);
+        let due = self.callouts.borrow_mut().due_retries(now);
         for (call, attempt) in due {
-            self.dispatch_release(&call, attempt, &clock);
+            self.dispatch_release(&call, attempt);
         }
         // Those that stopped waiting for a slot when Envoy refused one at once.
         self.send_waiting_releases();
@@ -597,7 +603,7 @@ impl Worker {
 
     fn release_call(&self, call: HttpCall, context: In, clock: &Clock) {
         match context {
-            In::Root => self.dispatch_release(&call, Attempt::first(clock.now()), clock),
+            In::Root => self.dispatch_release(&call, first_attempt()),
             In::Request => self.hand_over(Job::Release(call), clock),
         }
     }
