@@ -173,8 +173,9 @@ async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
 }
 
 /// A request vLLM would refuse only for the fields prefill's copy changes (its limit, its
-/// minimum, `n`, `store`) gets vLLM's own 400, with the field named, before prefill spends a
-/// prompt's compute on it; decode would have refused it after.
+/// minimum, `n`, `store`, on every API that has them) gets vLLM's own 400, with the field
+/// named where vLLM names it, before prefill spends a prompt's compute on it; decode would
+/// have refused it after.
 #[tokio::test]
 async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
     let h = harness();
@@ -184,42 +185,56 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
             COMPLETIONS,
             r#"{"prompt":"a b","max_tokens":4,"min_tokens":5}"#,
             "min_tokens must be less than or equal to max_tokens=4, got 5.",
-            "min_tokens",
+            Some("min_tokens"),
         ),
         (
             "min-over-default",
             COMPLETIONS,
             r#"{"prompt":"a b","min_tokens":20}"#,
             "min_tokens must be less than or equal to max_tokens=16, got 20.",
-            "min_tokens",
+            Some("min_tokens"),
         ),
         (
             "zero-limit",
             CHAT,
             r#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":-2}"#,
             "max_tokens must be at least 1, got -2.",
-            "max_tokens",
+            Some("max_tokens"),
         ),
         (
             "no-choices",
             CHAT,
             r#"{"messages":[{"role":"user","content":"hi"}],"n":0}"#,
             "n must be at least 1, got 0.",
-            "n",
+            Some("n"),
+        ),
+        (
+            "greedy-choices",
+            CHAT,
+            r#"{"messages":[{"role":"user","content":"hi"}],"n":3,"temperature":0}"#,
+            "n must be 1 when using greedy sampling, got 3.",
+            None,
+        ),
+        (
+            "tokens-in-min-over-max",
+            "/inference/v1/generate",
+            r#"{"token_ids":[1,2],"sampling_params":{"max_tokens":2,"min_tokens":5}}"#,
+            "min_tokens must be less than or equal to max_tokens=2, got 5.",
+            Some("min_tokens"),
         ),
         (
             "zero-output",
             RESPONSES,
             r#"{"input":"hi","max_output_tokens":0}"#,
             "max_tokens must be at least 1, got 0.",
-            "max_tokens",
+            Some("max_tokens"),
         ),
         (
             "background-unstored",
             RESPONSES,
             r#"{"input":"hi","background":true,"store":false}"#,
             "background can only be used when `store` is true",
-            "background",
+            Some("background"),
         ),
     ] {
         let id = unique_id(label);
@@ -227,13 +242,29 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
         let error = &reply.json()["error"];
         assert_eq!(error["message"], message, "{label}");
         assert_eq!(error["type"], "BadRequestError", "{label}");
-        assert_eq!(error["param"], param, "{label}");
+        assert_eq!(error["param"], json!(param), "{label}");
         assert_eq!(error["code"], 400, "{label}");
         assert!(
             h.prefill_requests(&id).is_empty(),
             "{label}: prefill was called"
         );
     }
+
+    // The Messages API answers in Anthropic's shape.
+    let id = unique_id("messages-zero-limit");
+    let reply = Request::post("default", "/v1/messages")
+        .id(&id)
+        .body(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":0}"#)
+        .send()
+        .await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert_eq!(
+        reply.json(),
+        json!({"type": "error", "error": {"type": "invalid_request_error",
+            "message": "max_tokens must be positive"}})
+    );
+    assert!(h.prefill_requests(&id).is_empty(), "prefill was called");
+    assert!(h.decode_requests(&id).is_empty(), "decode was called");
 }
 
 /// vLLM 0.11 answers a non-streamed one-token `"required"` tool choice with a 400 (it reads

@@ -1,7 +1,8 @@
 //! vLLM's own checks of the fields prefill's copy of a request changes: the generation limit,
-//! `min_tokens`, `n`, and `store` on the Responses API. Prefill's copy always passes them (one
-//! token, no minimum, one choice, nothing stored), so a request that fails one would cost a
-//! whole prefill, and then a KV release, before decode refused it. The filter refuses such a
+//! `min_tokens`, `n` (with greedy sampling too), and `store` on the Responses API, on every API
+//! that has them (the tokens-in API keeps them in `sampling_params`). Prefill's copy always
+//! passes them (one token, no minimum, one choice, nothing stored), so a request that fails one
+//! would cost a whole prefill, and then a KV release, before decode refused it. The filter refuses such a
 //! request itself, in vLLM's words. Only what the request alone settles is checked: values
 //! written as plain JSON integers, limits vLLM does not lower further. Anything else is left
 //! for vLLM to judge.
@@ -32,8 +33,39 @@ pub fn refuse_what_vllm_refuses(api: Api, object: &JsonObject) -> Result<(), Cli
             check_limit(integer(object, "max_output_tokens"))?;
             check_background(object)
         }
+        Api::Messages => check_messages_limit(object),
+        Api::Generate => match object.last_value("sampling_params").map(JsonObject::parse) {
+            Some(Ok(params)) => check_sampling_params(&params),
+            // Not an object: vLLM refuses it as it refuses prefill's copy.
+            _ => Ok(()),
+        },
+        Api::CohereChat => Ok(()),
+    }
+}
+
+/// The Messages API's `max_tokens`, which is required and must be positive (vLLM's
+/// `AnthropicMessagesRequest`).
+fn check_messages_limit(object: &JsonObject) -> Result<(), ClientError> {
+    match integer(object, "max_tokens") {
+        Some(limit) if limit < 1 => Err(ClientError::invalid_field(
+            "max_tokens",
+            "max_tokens must be positive",
+        )),
         _ => Ok(()),
     }
+}
+
+/// The tokens-in API's `sampling_params`, checked as vLLM's `SamplingParams` checks itself:
+/// its `max_tokens` is 16 when not given.
+fn check_sampling_params(params: &JsonObject) -> Result<(), ClientError> {
+    check_n(params)?;
+    let limit = if params.has("max_tokens") {
+        integer(params, "max_tokens")
+    } else {
+        Some(COMPLETIONS_DEFAULT_MAX_TOKENS)
+    };
+    check_limit(limit)?;
+    check_min_tokens(params, limit)
 }
 
 /// A member written as a plain JSON integer (what pydantic reads as one without doubt).
@@ -103,15 +135,33 @@ fn check_min_tokens(object: &JsonObject, limit: Option<i64>) -> Result<(), Clien
     }
 }
 
-/// `n`, which prefill's copy sets to 1.
+/// `n`, which prefill's copy sets to 1. More than one choice needs sampling: vLLM refuses it
+/// with a temperature of 0 (greedy), which only a temperature the request writes settles
+/// (without one, vLLM takes the model's default).
 fn check_n(object: &JsonObject) -> Result<(), ClientError> {
     match integer(object, "n") {
         Some(n) if n < 1 => Err(ClientError::invalid_field(
             "n",
             format!("n must be at least 1, got {n}."),
         )),
+        Some(n) if n > 1 && is_greedy(object) => Err(ClientError::bad_request(format!(
+            "n must be 1 when using greedy sampling, got {n}."
+        ))),
         _ => Ok(()),
     }
+}
+
+/// A `temperature` written as a JSON number equal to zero (`0`, `0.0`, `-0`, `0e3`).
+fn is_greedy(object: &JsonObject) -> bool {
+    object.last_value("temperature").is_some_and(|value| {
+        value
+            .first()
+            .is_some_and(|&b| b == b'-' || b.is_ascii_digit())
+            && std::str::from_utf8(value)
+                .ok()
+                .and_then(|text| text.parse::<f64>().ok())
+                .is_some_and(|temperature| temperature == 0.0)
+    })
 }
 
 /// `background` needs `store` (vLLM's `validate_background`, which reads the raw values:
@@ -252,6 +302,82 @@ mod tests {
     }
 
     #[test]
+    fn the_messages_limit_must_be_positive() {
+        for body in [
+            r#"{"messages":[],"max_tokens":0}"#,
+            r#"{"messages":[],"max_tokens":-4}"#,
+        ] {
+            assert_eq!(
+                refusal(Api::Messages, body),
+                (Some("max_tokens"), "max_tokens must be positive".to_owned())
+            );
+        }
+    }
+
+    #[test]
+    fn the_tokens_in_apis_sampling_params_are_checked_as_vllm_checks_them() {
+        let cases = [
+            (
+                r#"{"token_ids":[1],"sampling_params":{"max_tokens":2,"min_tokens":5}}"#,
+                Some("min_tokens"),
+                "min_tokens must be less than or equal to max_tokens=2, got 5.",
+            ),
+            (
+                r#"{"token_ids":[1],"sampling_params":{"min_tokens":17}}"#,
+                Some("min_tokens"),
+                "min_tokens must be less than or equal to max_tokens=16, got 17.",
+            ),
+            (
+                r#"{"token_ids":[1],"sampling_params":{"max_tokens":0}}"#,
+                Some("max_tokens"),
+                "max_tokens must be at least 1, got 0.",
+            ),
+            (
+                r#"{"token_ids":[1],"sampling_params":{"n":0}}"#,
+                Some("n"),
+                "n must be at least 1, got 0.",
+            ),
+            (
+                r#"{"token_ids":[1],"sampling_params":{"n":2,"temperature":0.0}}"#,
+                None,
+                "n must be 1 when using greedy sampling, got 2.",
+            ),
+        ];
+        for (body, param, message) in cases {
+            assert_eq!(
+                refusal(Api::Generate, body),
+                (param, message.to_owned()),
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn several_choices_without_sampling_are_refused() {
+        for (api, body) in [
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"n":3,"temperature":0}"#,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","n":2,"temperature":-0}"#,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","temperature":0.5,"n":2,"temperature":0e0}"#,
+            ),
+        ] {
+            let (param, message) = refusal(api, body);
+            assert_eq!(param, None, "{body}");
+            assert!(
+                message.starts_with("n must be 1 when using greedy sampling, got "),
+                "{message}"
+            );
+        }
+    }
+
+    #[test]
     fn background_without_store_is_refused_on_responses() {
         for body in [
             r#"{"input":"hi","background":true,"store":false}"#,
@@ -313,7 +439,34 @@ mod tests {
                 Api::Responses,
                 r#"{"input":"hi","background":false,"store":false}"#,
             ),
-            (Api::Messages, r#"{"messages":[],"max_tokens":0}"#),
+            (Api::Messages, r#"{"messages":[],"max_tokens":1}"#),
+            (Api::Messages, r#"{"messages":[],"max_tokens":"0"}"#),
+            // Without a temperature of its own the request samples at the model's default.
+            (Api::ChatCompletions, r#"{"messages":[],"n":3}"#),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"n":3,"temperature":null}"#,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","n":2,"temperature":0.001}"#,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","n":2,"temperature":"0"}"#,
+            ),
+            (Api::Completions, r#"{"prompt":"hi","n":1,"temperature":0}"#),
+            (
+                Api::Generate,
+                r#"{"token_ids":[1],"sampling_params":{"max_tokens":null,"min_tokens":500}}"#,
+            ),
+            (
+                Api::Generate,
+                r#"{"token_ids":[1],"sampling_params":{"max_tokens":8,"min_tokens":8,"n":2}}"#,
+            ),
+            (Api::Generate, r#"{"token_ids":[1]}"#),
+            (Api::Generate, r#"{"token_ids":[1],"sampling_params":[]}"#),
+            (Api::CohereChat, r#"{"messages":[],"max_tokens":0}"#),
             (
                 Api::Completions,
                 r#"{"prompt":"hi","max_tokens":99999999999999999999999,"min_tokens":5}"#,
