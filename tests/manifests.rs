@@ -2687,8 +2687,9 @@ fn envoy_yaml_keeps_vllms_operator_endpoints_from_clients_in_envoy() {
     assert_eq!(reply.status, 200, "{}", reply.body);
 }
 
-/// envoy/envoy.yaml as shipped says why it refuses what it does not route (CONNECT) and
-/// protocol upgrades, which Envoy answers without any text of its own.
+/// envoy/envoy.yaml as shipped says why it refuses what it does not route (CONNECT), protocol
+/// upgrades, a request without a Host header and one whose target is not a path (`*`),
+/// which Envoy answers without any text of its own.
 #[test]
 fn envoy_yaml_says_why_it_refuses_connect_and_upgrades_in_envoy() {
     let (_runtime, _prefill, decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-upgrade");
@@ -2711,6 +2712,24 @@ fn envoy_yaml_says_why_it_refuses_connect_and_upgrades_in_envoy() {
     );
     let error = openai_error(&upgrade, 403).unwrap_or_else(|e| panic!("upgrade: {e}"));
     assert_eq!(error["type"], "upgrade_failed", "{error}");
+    for (request, status, details) in [
+        (
+            &b"POST /v1/completions HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"[..],
+            400,
+            "missing_host_header",
+        ),
+        (
+            &b"OPTIONS * HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n"[..],
+            404,
+            "absolute_path_rejected",
+        ),
+    ] {
+        let reply = raw_exchange(envoy.port, request);
+        let error = openai_error(&reply, status).unwrap_or_else(|e| panic!("{details}: {e}"));
+        assert_eq!(error["type"], details, "{error}");
+        let message = error["message"].as_str().unwrap_or_default();
+        assert!(!message.is_empty(), "{details}: {error}");
+    }
     assert!(decode.requests().is_empty(), "{:?}", decode.requests());
 }
 

@@ -408,6 +408,10 @@ fn has_flag(raw: &str, pattern: &str) -> bool {
     })
 }
 
+/// The most `mock:prefill_huge` pads an answer with: well past the 32 MiB Envoy takes for a
+/// callout's answer.
+const MAX_PADDING: usize = 128 << 20;
+
 fn number_arg(raw: &str, prefix: &str) -> Option<u64> {
     raw.match_indices(prefix).find_map(|(i, _)| {
         let rest = &raw[i + prefix.len()..];
@@ -636,7 +640,9 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
         object["kv_transfer_params"] = kv;
     }
     if let Some(size) = faults.huge {
-        object["padding"] = Value::String("x".repeat(size as usize));
+        // Bounded, so that no request makes the mock fail to allocate (which aborts it).
+        let size = usize::try_from(size).unwrap_or(usize::MAX).min(MAX_PADDING);
+        object["padding"] = Value::String("x".repeat(size));
     }
     let stall = faults.stall_mid_answer_ms.map(Duration::from_millis);
     object_response(&object, faults.reset_mid, stall)
@@ -674,7 +680,7 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     let writes = prefills_hits.map(|_| 0);
     let mut answer = answer(shared, parsed, tokens, cached, writes);
     if let Some(extra) = faults.extra_prompt_tokens {
-        answer.prompt_tokens += extra;
+        answer.prompt_tokens = answer.prompt_tokens.saturating_add(extra);
     }
     let mut resp = if faults.gzip {
         gzip_response(&answer, parsed, faults.pace())

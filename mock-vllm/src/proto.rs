@@ -144,6 +144,7 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         _ => int("n")?.unwrap_or(1),
     };
     check_n(n)?;
+    check_greedy(obj, n)?;
     if endpoint == Endpoint::Chat {
         check_structured_outputs(obj)?;
     }
@@ -317,9 +318,24 @@ fn check_structured_outputs(obj: &Map<String, Value>) -> Result<(), String> {
     Ok(())
 }
 
+/// vLLM's bound on `n` (`VLLM_MAX_N_SEQUENCES`, 16384 by default).
+const MAX_N: i64 = 16384;
+
 fn check_n(n: i64) -> Result<(), String> {
     if n < 1 {
         return Err(format!("n must be at least 1, got {n}."));
+    }
+    if n > MAX_N {
+        return Err(format!("n must be at most {MAX_N}, got {n}."));
+    }
+    Ok(())
+}
+
+/// More than one choice needs sampling: vLLM refuses `n` above 1 at a temperature of 0.
+fn check_greedy(params: &Map<String, Value>, n: i64) -> Result<(), String> {
+    let greedy = params.get("temperature").and_then(Value::as_f64) == Some(0.0);
+    if greedy && n > 1 {
+        return Err(format!("n must be 1 when using greedy sampling, got {n}."));
     }
     Ok(())
 }
@@ -483,6 +499,7 @@ fn parse_generate(obj: &Map<String, Value>) -> Result<Parsed, String> {
     check_min(int_field(params, "min_tokens")?, limit)?;
     let n = int_field(params, "n")?.unwrap_or(1);
     check_n(n)?;
+    check_greedy(params, n)?;
     const BAD_IDS: &str = "token_ids must be a non-empty array of non-negative integers";
     let ids = match obj.get("token_ids") {
         None | Some(Value::Null) => return Err("token_ids is required".into()),
@@ -678,7 +695,7 @@ impl Answer {
 
     fn usage(&self) -> Value {
         let out = self.tokens.len() as u64 * self.n;
-        let total = self.prompt_tokens + out;
+        let total = self.prompt_tokens.saturating_add(out);
         let mut usage = match self.endpoint {
             Endpoint::Messages => return self.message_usage(out),
             Endpoint::Cohere => json!({
@@ -1135,6 +1152,38 @@ mod tests {
         assert!(
             err.contains(&format!("({} > {MAX_MODEL_LEN} - 2)", MAX_MODEL_LEN - 1)),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn n_is_bounded_and_needs_sampling() {
+        let chat = |extra: Value| {
+            let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+            body.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            body
+        };
+        for n in [
+            json!(16385),
+            json!(18_446_744_073_709_551_615u64),
+            json!(1e30),
+        ] {
+            let err = parse_err(Endpoint::Chat, chat(json!({"n": n})));
+            assert!(err.starts_with("n must be at most 16384"), "{err}");
+        }
+        assert_eq!(
+            parse_err(Endpoint::Chat, chat(json!({"n": 3, "temperature": 0}))),
+            "n must be 1 when using greedy sampling, got 3."
+        );
+        assert_eq!(
+            parse_ok(Endpoint::Chat, chat(json!({"n": 3, "temperature": 0.5}))).n,
+            3
+        );
+        let generate = json!({"token_ids": [1], "sampling_params": {"n": 2, "temperature": 0.0}});
+        assert_eq!(
+            parse_err(Endpoint::Generate, generate),
+            "n must be 1 when using greedy sampling, got 2."
         );
     }
 
