@@ -1,9 +1,9 @@
 //! vLLM's own checks of the fields prefill's copy of a request changes: the generation limit,
-//! `min_tokens`, `n` (with greedy sampling too), and `store` on the Responses API, on every API
-//! that has them (the tokens-in API keeps them in `sampling_params`). Prefill's copy always
-//! passes them (one token, no minimum, one choice, nothing stored), so a request that fails one
-//! would cost a whole prefill, and then a KV release, before decode refused it. The filter refuses such a
-//! request itself, in vLLM's words. Only what the request alone settles is checked: values
+//! `min_tokens`, `n` (with greedy sampling too), and `store` on the Responses API, on every
+//! API that has them (the tokens-in API keeps them in `sampling_params`). Prefill's copy
+//! always passes them (one token, no minimum, one choice, nothing stored), so a request that
+//! fails one would cost a whole prefill, and then a KV release, before decode refused it. The
+//! filter refuses such a request itself, in vLLM's words. Only what the request alone settles is checked: values
 //! written as plain JSON integers, limits vLLM does not lower further. Anything else is left
 //! for vLLM to judge.
 
@@ -17,8 +17,12 @@ use super::rewrite::truthy;
 const COMPLETIONS_DEFAULT_MAX_TOKENS: i64 = 16;
 
 /// The 400 vLLM answers a request with, when prefill's copy would pass where the client's
-/// request fails.
-pub fn refuse_what_vllm_refuses(api: Api, object: &JsonObject) -> Result<(), ClientError> {
+/// request fails. `sampling_params`: the request's, read as an object.
+pub fn refuse_what_vllm_refuses(
+    api: Api,
+    object: &JsonObject,
+    sampling_params: Option<&JsonObject>,
+) -> Result<(), ClientError> {
     match api {
         Api::Completions | Api::ChatCompletions => {
             check_n(object)?;
@@ -34,11 +38,8 @@ pub fn refuse_what_vllm_refuses(api: Api, object: &JsonObject) -> Result<(), Cli
             check_background(object)
         }
         Api::Messages => check_messages_limit(object),
-        Api::Generate => match object.last_value("sampling_params").map(JsonObject::parse) {
-            Some(Ok(params)) => check_sampling_params(&params),
-            // Not an object: vLLM refuses it as it refuses prefill's copy.
-            _ => Ok(()),
-        },
+        // Without an object there, vLLM refuses prefill's copy as it would the client's.
+        Api::Generate => sampling_params.map_or(Ok(()), check_sampling_params),
         Api::CohereChat => Ok(()),
     }
 }
@@ -151,17 +152,14 @@ fn check_n(object: &JsonObject) -> Result<(), ClientError> {
     }
 }
 
-/// A `temperature` written as a JSON number equal to zero (`0`, `0.0`, `-0`, `0e3`).
+/// A `temperature` written as a JSON number equal to zero (`0`, `0.0`, `-0`, `0e3`). The
+/// value is valid JSON, so only a number parses as one (no `inf` or `NaN` there).
 fn is_greedy(object: &JsonObject) -> bool {
-    object.last_value("temperature").is_some_and(|value| {
-        value
-            .first()
-            .is_some_and(|&b| b == b'-' || b.is_ascii_digit())
-            && std::str::from_utf8(value)
-                .ok()
-                .and_then(|text| text.parse::<f64>().ok())
-                .is_some_and(|temperature| temperature == 0.0)
-    })
+    object
+        .last_value("temperature")
+        .and_then(|value| std::str::from_utf8(value).ok())
+        .and_then(|text| text.parse::<f64>().ok())
+        .is_some_and(|temperature| temperature == 0.0)
 }
 
 /// `background` needs `store` (vLLM's `validate_background`, which reads the raw values:
@@ -188,7 +186,10 @@ mod tests {
     fn check(api: Api, body: &str) -> Result<(), ClientError> {
         let object =
             JsonObject::parse(body.as_bytes()).map_err(|_| ClientError::internal("json"))?;
-        refuse_what_vllm_refuses(api, &object)
+        let sampling_params = object
+            .last_value("sampling_params")
+            .and_then(|text| JsonObject::parse(text).ok());
+        refuse_what_vllm_refuses(api, &object, sampling_params.as_ref())
     }
 
     fn refusal(api: Api, body: &str) -> (Option<&'static str>, String) {

@@ -225,7 +225,8 @@ pub fn prepare_with(
         0
     };
     let object = parse_body(json_text(body, json_start))?;
-    refuse_nested_kv_transfer_params(&object)?;
+    let sampling_params = sampling_params(&object);
+    refuse_nested_kv_transfer_params(&object, sampling_params.as_ref())?;
     let asks_prompt_logprobs =
         matches!(api, Api::Completions | Api::ChatCompletions) && object.is_set("prompt_logprobs");
     // vLLM reads `stream` here as Python's truth of the raw value, so "false" counts.
@@ -296,7 +297,10 @@ pub fn prepare_with(
         ));
     }
     if api == Api::Generate {
-        if let Some(field) = sampling_params_skipping_prefills_kv(&object) {
+        if let Some(field) = sampling_params
+            .as_ref()
+            .and_then(sampling_params_skipping_prefills_kv)
+        {
             return Err(ClientError::bad_request(format!(
                 "sampling_params.{field} cannot be served through prefill/decode \
                  disaggregation on this API: it makes decode skip its prefix cache, so decode \
@@ -304,7 +308,7 @@ pub fn prepare_with(
             )));
         }
     }
-    limits::refuse_what_vllm_refuses(api, &object)?;
+    limits::refuse_what_vllm_refuses(api, &object, sampling_params.as_ref())?;
     // What pydantic reads: whether the answer is streamed.
     let streamed = object.is_true("stream");
     // A stream carries no prompt logprobs: vLLM computes them (without its prefix cache)
@@ -312,6 +316,7 @@ pub fn prepare_with(
     let prefill_body = one_token_body(
         api,
         &object,
+        sampling_params.as_ref(),
         REMOTE_DECODE_REQUEST,
         matches!(api, Api::Completions | Api::ChatCompletions) && streamed,
         options.tool_choice,
@@ -384,7 +389,7 @@ pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientEr
     };
     let text = json_text(body, json_start);
     let object = parse_body(text)?;
-    refuse_nested_kv_transfer_params(&object)?;
+    refuse_nested_kv_transfer_params(&object, sampling_params(&object).as_ref())?;
     if !object.has(KV_TRANSFER_PARAMS) {
         return Ok(None);
     }
@@ -395,17 +400,18 @@ pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientEr
 /// vLLM also takes `kv_transfer_params` from `vllm_xargs` (merged over the request's own)
 /// and, on the tokens-in API, from `sampling_params` and its `extra_args`. Those are the
 /// filter's to set, never the client's: a request that sets them there is refused.
-fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientError> {
+/// `sampling_params`: the request's, read as an object.
+fn refuse_nested_kv_transfer_params(
+    object: &JsonObject,
+    sampling_params: Option<&JsonObject>,
+) -> Result<(), ClientError> {
     let sets_kv = |value: Option<&[u8]>| {
         value
             .and_then(|text| JsonObject::parse(text).ok())
             .is_some_and(|inner| inner.has(KV_TRANSFER_PARAMS))
     };
-    let sampling_params = object
-        .last_value("sampling_params")
-        .and_then(|text| JsonObject::parse(text).ok());
     let nested = sets_kv(object.last_value("vllm_xargs"))
-        || sampling_params.as_ref().is_some_and(|params| {
+        || sampling_params.is_some_and(|params| {
             params.has(KV_TRANSFER_PARAMS) || sets_kv(params.last_value("extra_args"))
         });
     if nested {
@@ -418,11 +424,13 @@ fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientErr
     }
 }
 
-/// The client's body (`object`) capped to one generated token, not streamed, with `kv` as
-/// its `kv_transfer_params`, and without `prompt_logprobs` where `drops_prompt_logprobs`.
+/// The client's body (`object`, with its `sampling_params` read as an object) capped to one
+/// generated token, not streamed, with `kv` as its `kv_transfer_params`, and without
+/// `prompt_logprobs` where `drops_prompt_logprobs`.
 fn one_token_body(
     api: Api,
     object: &JsonObject,
+    sampling_params: Option<&JsonObject>,
     kv: &[u8],
     drops_prompt_logprobs: bool,
     tool_choice: PrefillToolChoice,
@@ -461,11 +469,7 @@ fn one_token_body(
     }
     // The tokens-in API keeps its limits in `sampling_params`: that object is rewritten
     // first, then the top level gets the KV parameters.
-    let sampling_params = object
-        .last_value("sampling_params")
-        .and_then(|params| JsonObject::parse(params).ok())
-        .map(|params| one_token_sampling_params(&params));
-    let capped = match sampling_params {
+    let capped = match sampling_params.map(one_token_sampling_params) {
         Some(params) => object
             .splice_member("sampling_params", Edit::Slot)
             .write(text, &params),
@@ -658,10 +662,14 @@ fn lax_count(value: &[u8]) -> usize {
     }
 }
 
+/// A request's `sampling_params` (the tokens-in API's limits), when it is an object.
+fn sampling_params<'a>(object: &JsonObject<'a>) -> Option<JsonObject<'a>> {
+    JsonObject::parse(object.last_value("sampling_params")?).ok()
+}
+
 /// The field of a tokens-in request's `sampling_params` that makes vLLM skip reading its
 /// prefix cache (`SamplingParams.skip_reading_prefix_cache`), and with it prefill's KV.
-fn sampling_params_skipping_prefills_kv(object: &JsonObject) -> Option<&'static str> {
-    let params = JsonObject::parse(object.last_value("sampling_params")?).ok()?;
+fn sampling_params_skipping_prefills_kv(params: &JsonObject) -> Option<&'static str> {
     ["prompt_logprobs", "prompt_logprob_token_ids"]
         .into_iter()
         .find(|field| params.is_set(field))
