@@ -368,6 +368,11 @@ mod tests {
                 Api::Completions,
                 r#"{"prompt":"hi","temperature":0.5,"n":2,"temperature":0e0}"#,
             ),
+            // Python reads it as 0.0 too.
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","n":2,"temperature":1e-400}"#,
+            ),
         ] {
             let (param, message) = refusal(api, body);
             assert_eq!(param, None, "{body}");
@@ -467,6 +472,11 @@ mod tests {
             ),
             (Api::Generate, r#"{"token_ids":[1]}"#),
             (Api::Generate, r#"{"token_ids":[1],"sampling_params":[]}"#),
+            // The last sampling_params is the one vLLM reads.
+            (
+                Api::Generate,
+                r#"{"sampling_params":{"max_tokens":2,"min_tokens":5},"sampling_params":{"max_tokens":9,"min_tokens":5}}"#,
+            ),
             (Api::CohereChat, r#"{"messages":[],"max_tokens":0}"#),
             (
                 Api::Completions,
