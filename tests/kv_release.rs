@@ -283,8 +283,6 @@ async fn a_release_decode_could_not_take_is_sent_again_once_decode_is_back() {
     ] {
         let reply = post("release_retry", id, &prompt).send().await;
         assert_eq!(reply.status, 503, "{}", reply.body);
-        // The client may get Envoy's 503 (decode refused the connection) before prefill has
-        // the request: the router connects to decode as soon as the headers pass.
         wait_for_prefill(id, Duration::from_secs(5)).await;
         assert_eq!(h.prefill_requests(id).len(), 1);
     }

@@ -181,10 +181,15 @@ pub const LISTENERS: &[Listener] = &[
         ..plain("decode_unreachable", "")
     },
     // Decode cannot be reached, nor at first the cluster releases go to (`decode_late`,
-    // where a test starts a decode later).
+    // where a test starts a decode later). Headers held as shipped, so that the router's
+    // failed connection to decode never comes before prefill has the request.
     Listener {
         decode_route: DecodeRoute::Unreachable,
-        ..plain("release_retry", r#"{"decode_cluster":"decode_late"}"#)
+        allow_on_headers_stop_iteration: true,
+        ..plain(
+            "release_retry",
+            r#"{"decode_cluster":"decode_late","hold_request_headers":true}"#,
+        )
     },
     // Decode is connected but never reads the request; releases go to `decode`.
     Listener {
