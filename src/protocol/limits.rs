@@ -90,8 +90,10 @@ fn completions_limit(object: &JsonObject) -> Option<i64> {
     (limit != 0 || !echoes).then_some(limit)
 }
 
-/// The limit a chat request sets, read as vLLM reads it: `max_completion_tokens or
-/// max_tokens` (Python's `or`: a `max_completion_tokens` of 0 or null gives way).
+/// The limit a chat request sets: `max_completion_tokens`, else `max_tokens`. vLLM 0.11
+/// reads `max_completion_tokens or max_tokens`, where a 0 gives way; later versions take a 0
+/// as the limit and refuse it. Either way a `min_tokens` above `max_tokens` is refused, and
+/// a 0 with no `max_tokens` is left to vLLM.
 fn chat_limit(object: &JsonObject) -> Option<i64> {
     let newer = object
         .last_value("max_completion_tokens")
