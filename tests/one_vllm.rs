@@ -130,6 +130,42 @@ async fn usage_has_prefills_prompt_counts_and_decodes_output_counts() {
     }
 }
 
+/// vLLM reads `stream` as pydantic's lax boolean ("1", "yes", 1 stream; "false" does not),
+/// after checking `stream_options` against Python's truth of the raw value: the filter
+/// reads it the same way, so prefill is never streamed and the usage is merged into the
+/// stream or the JSON answer decode gives.
+#[tokio::test]
+async fn a_stream_spelled_as_pydantic_reads_it_is_merged_as_a_stream() {
+    let h = harness();
+    for api in &APIS[..2] {
+        for (spelling, streams) in [
+            (json!("1"), true),
+            (json!("Yes"), true),
+            (json!(1), true),
+            (json!("false"), false),
+        ] {
+            let id = unique_id("lax-stream");
+            let mut sent = body(api, "count in any spelling", true);
+            sent["stream"] = spelling.clone();
+            let reply = post(api, &id, &sent).await;
+            let case = format!("{} stream={spelling}", api.path);
+            assert_eq!(reply.status, 200, "{case}: {}", reply.body);
+            assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+            let is_stream = reply
+                .header("content-type")
+                .is_some_and(|t| t.starts_with("text/event-stream"));
+            assert_eq!(is_stream, streams, "{case}");
+            let usage = client_usage(&reply.body);
+            assert_eq!(
+                usage[api.details]["cached_tokens"], PREFILL_CACHED,
+                "{case}: {usage}"
+            );
+            assert_eq!(h.only_prefill(&id).json()["stream"], false, "{case}");
+            assert_eq!(h.only_decode(&id).json()["stream"], spelling, "{case}");
+        }
+    }
+}
+
 /// Decode's JSON answer ended by trailers (a proxy before vLLM, or an HTTP/2 decode cluster,
 /// may add them): Envoy gives the filter no end of the body, only the trailers, and the
 /// usage is merged there all the same.

@@ -189,18 +189,53 @@ fn prompt_logprobs(endpoint: Endpoint, obj: &Map<String, Value>) -> Option<u64> 
     }
 }
 
-/// `stream`, and `stream_options.include_usage` (options only allowed on a stream).
+/// `stream`, and `stream_options.include_usage` (options only allowed on a stream). vLLM
+/// checks the options against Python's truth of the raw values, before pydantic reads
+/// `stream` as a lax boolean: `"stream": "false"` passes the check and does not stream.
 fn stream_flags(obj: &Map<String, Value>) -> Result<(bool, bool), String> {
-    let stream = obj.get("stream") == Some(&Value::Bool(true));
-    let stream_options = obj.get("stream_options").filter(|v| !v.is_null());
-    if stream_options.is_some() && !stream {
+    let stream = lax_bool(obj, "stream")?;
+    let stream_options = obj.get("stream_options").filter(|v| python_truthy(v));
+    if stream_options.is_some() && !obj.get("stream").is_some_and(python_truthy) {
         return Err("Stream options can only be defined when stream=True.".into());
     }
-    let include_usage = stream_options
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let include_usage = stream
+        && stream_options
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
     Ok((stream, include_usage))
+}
+
+/// Python's truth of a value as `json.loads` gives it.
+fn python_truthy(value: &Value) -> bool {
+    match value {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(items) => !items.is_empty(),
+        Value::Object(members) => !members.is_empty(),
+    }
+}
+
+/// A boolean field as pydantic's lax mode reads it (false when absent or null).
+fn lax_bool(obj: &Map<String, Value>, key: &str) -> Result<bool, String> {
+    let invalid = || format!("{key}: Input should be a valid boolean");
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(Value::Number(n)) => match n.as_f64() {
+            Some(1.0) => Ok(true),
+            Some(0.0) => Ok(false),
+            _ => Err(invalid()),
+        },
+        Some(Value::String(s)) => match s.to_ascii_lowercase().as_str() {
+            "1" | "on" | "t" | "true" | "y" | "yes" => Ok(true),
+            "0" | "off" | "f" | "false" | "n" | "no" => Ok(false),
+            _ => Err(invalid()),
+        },
+        Some(_) => Err(invalid()),
+    }
 }
 
 /// `body` with Python's `NaN`, `Infinity` and `-Infinity` (which vLLM's `json.loads` reads)
@@ -381,7 +416,7 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Parsed, String> {
             "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)".into(),
         );
     }
-    let stream = obj.get("stream") == Some(&Value::Bool(true));
+    let stream = lax_bool(obj, "stream")?;
     Ok(one_sequence(
         Endpoint::Messages,
         obj,
@@ -1445,6 +1480,53 @@ mod tests {
         );
         let body = json!({"token_ids": [1], "sampling_params": {}, "request_id": 5});
         assert_eq!(parse_err(g, body), "request_id must be a string");
+    }
+
+    #[test]
+    fn stream_is_read_as_pydantic_reads_a_boolean() {
+        let c = Endpoint::Completions;
+        let options = json!({"include_usage": true});
+        for truthy in [
+            json!("1"),
+            json!("TRUE"),
+            json!("yes"),
+            json!(1),
+            json!(1.0),
+        ] {
+            let p = parse_ok(
+                c,
+                json!({"prompt": "x", "stream": truthy, "stream_options": options}),
+            );
+            assert!(p.stream && p.include_usage, "{truthy}");
+        }
+        // Python's truth lets "false" past the options check; pydantic reads it as false.
+        let p = parse_ok(
+            c,
+            json!({"prompt": "x", "stream": "false", "stream_options": options}),
+        );
+        assert!(!p.stream && !p.include_usage);
+        let p = parse_ok(
+            c,
+            json!({"prompt": "x", "stream": false, "stream_options": {}}),
+        );
+        assert!(!p.stream);
+        assert_eq!(
+            parse_err(
+                c,
+                json!({"prompt": "x", "stream": 0, "stream_options": options})
+            ),
+            "Stream options can only be defined when stream=True."
+        );
+        assert_eq!(
+            parse_err(c, json!({"prompt": "x", "stream": "maybe"})),
+            "stream: Input should be a valid boolean"
+        );
+        let m = parse_ok(
+            Endpoint::Messages,
+            json!({"model": "c", "max_tokens": 3, "stream": "on",
+                   "messages": [{"role": "user", "content": "x"}]}),
+        );
+        assert!(m.stream);
     }
 
     #[test]
