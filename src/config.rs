@@ -244,7 +244,137 @@ const RESERVED_HEADERS: &[&str] = &[
     "content-length",
     "x-request-id",
     crate::session::KV_RELEASE_HEADER,
+    crate::session::ORIGINAL_DST_HEADER,
 ];
+
+/// Headers that frame a message or belong to one connection: never the filter's to copy
+/// onto prefill's call or to write into a request or an answer.
+const CONNECTION_HEADERS: &[&str] = &[
+    "connection",
+    "content-encoding",
+    "content-length",
+    "content-type",
+    "host",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// A client's credentials, which a header the filter writes would replace.
+const CREDENTIAL_HEADERS: &[&str] = &[
+    "authorization",
+    "cookie",
+    "proxy-authorization",
+    "x-api-key",
+];
+
+/// Headers a scheduler inside the gateway sets to choose a worker (docs/security.md).
+const ROUTING_HEADERS: &[&str] = &["x-gateway-destination-endpoint", "x-data-parallel-rank"];
+
+/// Envoy's own headers: its router reads them (timeouts, retries, the original-destination
+/// host), on the filter's calls too, which no edge of the connection manager cleans.
+fn is_envoys(name: &str) -> bool {
+    name.starts_with("x-envoy-")
+}
+
+/// A header the filter copies onto prefill's call (`forward_headers`).
+fn check_forwarded_header(name: &str) -> Result<(), ConfigError> {
+    let why = if RESERVED_HEADERS.contains(&name) {
+        "is set by the filter itself"
+    } else if CONNECTION_HEADERS.contains(&name) {
+        "frames the message or belongs to the client's connection"
+    } else if is_envoys(name) {
+        "is read by Envoy's router on prefill's call (its timeout, retries or destination): \
+         a client would choose them"
+    } else {
+        return Ok(());
+    };
+    Err(ConfigError(format!("forward_headers: {name:?} {why}")))
+}
+
+/// A header the filter writes itself: the body's model on decode's request
+/// (`model_header`), or prefill's time on the answer (`prefill_time_header`).
+fn check_written_header(key: &str, name: &str, on_request: bool) -> Result<(), ConfigError> {
+    let why = if name == "x-request-id" || name == crate::session::KV_RELEASE_HEADER {
+        "is set by the filter itself"
+    } else if CONNECTION_HEADERS.contains(&name) {
+        "frames the message or belongs to the connection"
+    } else if is_envoys(name) {
+        "is Envoy's own"
+    } else if on_request && CREDENTIAL_HEADERS.contains(&name) {
+        "carries the client's credentials, which the body's model would replace"
+    } else if on_request && ROUTING_HEADERS.contains(&name) {
+        "chooses a worker: the body's model would choose it"
+    } else {
+        return Ok(());
+    };
+    Err(ConfigError(format!("{key}: {name:?} {why}")))
+}
+
+/// Refuses a configuration that gives a key twice in one object: JSON readers differ on
+/// which one counts, so the setting in force would not be the one an operator reads.
+fn check_no_repeated_keys(bytes: &[u8]) -> Result<(), ConfigError> {
+    use serde::de::{DeserializeSeed, Error, MapAccess, SeqAccess, Visitor};
+
+    struct Unique;
+
+    impl<'de> DeserializeSeed<'de> for Unique {
+        type Value = ();
+        fn deserialize<D: serde::Deserializer<'de>>(self, input: D) -> Result<(), D::Error> {
+            input.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Unique {
+        type Value = ();
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<(), A::Error> {
+            while items.next_element_seed(Unique)?.is_some() {}
+            Ok(())
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut members: A) -> Result<(), A::Error> {
+            let mut seen = std::collections::BTreeSet::new();
+            while let Some(key) = members.next_key::<String>()? {
+                members.next_value_seed(Unique)?;
+                if let Some(key) = seen.replace(key) {
+                    return Err(A::Error::custom(format!(
+                        "{key:?} is given twice in one object (JSON readers differ on which \
+                         one counts); give it once"
+                    )));
+                }
+            }
+            Ok(())
+        }
+    }
+
+    let mut input = serde_json::Deserializer::from_slice(bytes);
+    Unique
+        .deserialize(&mut input)
+        .map_err(|e| ConfigError(e.to_string()))
+}
 
 /// A header name in the lowercase form Envoy uses.
 fn header_name(key: &str, name: &str) -> Result<String, ConfigError> {
@@ -282,6 +412,7 @@ impl Config {
         } else {
             let value: serde_json::Value = serde_json::from_slice(bytes)
                 .map_err(|e| ConfigError(format!("the configuration is not valid JSON ({e})")))?;
+            check_no_repeated_keys(bytes)?;
             check_shapes(&value)?;
             serde_json::from_value(value).map_err(|e| ConfigError(e.to_string()))?
         };
@@ -320,11 +451,7 @@ impl Config {
         let mut forward_headers = Vec::with_capacity(raw.forward_headers.len());
         for name in raw.forward_headers {
             let name = header_name("forward_headers", &name)?;
-            if RESERVED_HEADERS.contains(&name.as_str()) {
-                return Err(ConfigError(format!(
-                    "forward_headers: {name:?} is set by the filter itself"
-                )));
-            }
+            check_forwarded_header(&name)?;
             forward_headers.push(name);
         }
 
@@ -332,12 +459,24 @@ impl Config {
             .prefill_time_header
             .map(|name| header_name("prefill_time_header", &name))
             .transpose()?;
+        if let Some(name) = &prefill_time_header {
+            check_written_header("prefill_time_header", name, false)?;
+        }
 
         let model_header = raw
             .model_header
             .map(|name| header_name("model_header", &name))
             .transpose()?;
         let prefill_host_header = header_name("prefill_host_header", &raw.prefill_host_header)?;
+        if let Some(name) = &model_header {
+            check_written_header("model_header", name, true)?;
+            if *name == prefill_host_header {
+                return Err(ConfigError(format!(
+                    "model_header: {name:?} is prefill_host_header: the body's model would \
+                     choose the prefill host"
+                )));
+            }
+        }
         for (key, clusters) in [
             ("model_prefill_clusters", &raw.model_prefill_clusters),
             ("model_decode_clusters", &raw.model_decode_clusters),
@@ -450,6 +589,28 @@ impl Config {
         model
             .and_then(|model| self.model_decode_clusters.get(model))
             .unwrap_or(&self.decode_cluster)
+    }
+
+    /// What a valid configuration may still mean by mistake, one line each, for the log.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        let names_vllms = self
+            .orchestrated_paths
+            .iter()
+            .any(|known| VLLM_GENERATION_PATHS.contains(&known.path.as_str()));
+        if !names_vllms {
+            let vllms: Vec<&str> = VLLM_GENERATION_PATHS
+                .iter()
+                .copied()
+                .filter(|path| Api::from_path(path).is_some())
+                .collect();
+            warnings.push(format!(
+                "paths lists none of vLLM's own paths ({}): requests to those reach decode \
+                 with their kv_transfer_params removed, and decode computes the whole prompt",
+                vllms.join(", ")
+            ));
+        }
+        warnings
     }
 
     /// Whether Envoy lets the filter pause at headers and still give it the body: both
@@ -617,6 +778,17 @@ fn check_plain_path(key: &str, path: &str) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_paths_list_without_vllms_own_paths_is_warned_about() {
+        let warnings = |json: &str| Config::from_json(json.as_bytes()).unwrap().warnings();
+        assert!(warnings("").is_empty());
+        assert!(warnings(r#"{"paths":["/v1/chat/completions"]}"#).is_empty());
+        let warned = warnings(r#"{"paths":["/completions","/x/v1/chat/completions"]}"#);
+        assert_eq!(warned.len(), 1, "{warned:?}");
+        assert!(warned[0].contains("none of vLLM's own paths (/v1/completions,"));
+        assert!(!warned[0].contains("/invocations"));
+    }
 
     #[test]
     fn empty_configuration_uses_defaults() {
@@ -901,6 +1073,51 @@ mod tests {
                 "set by the filter",
             ),
             (r#"{"forward_headers":["bad header"]}"#, "not a header name"),
+            (
+                r#"{"forward_headers":["X-Envoy-Original-Dst-Host"]}"#,
+                "set by the filter",
+            ),
+            (
+                r#"{"forward_headers":["x-envoy-upstream-rq-timeout-ms"]}"#,
+                "read by Envoy's router",
+            ),
+            (
+                r#"{"forward_headers":["transfer-encoding"]}"#,
+                "frames the message",
+            ),
+            (r#"{"forward_headers":["host"]}"#, "frames the message"),
+            (
+                r#"{"prefill_time_header":"content-length"}"#,
+                "prefill_time_header: \"content-length\" frames the message",
+            ),
+            (
+                r#"{"prefill_time_header":"x-request-id"}"#,
+                "set by the filter",
+            ),
+            (
+                r#"{"model_header":"Authorization"}"#,
+                "model_header: \"authorization\" carries the client's credentials",
+            ),
+            (r#"{"model_header":"x-api-key"}"#, "credentials"),
+            (r#"{"model_header":"content-type"}"#, "frames the message"),
+            (r#"{"model_header":"x-pd-kv-release"}"#, "set by the filter"),
+            (
+                r#"{"model_header":"x-gateway-destination-endpoint"}"#,
+                "chooses a worker",
+            ),
+            (
+                r#"{"model_header":"x-prefiller-host-port"}"#,
+                "the body's model would choose the prefill host",
+            ),
+            (r#"{"model_header":"x-envoy-original-path"}"#, "Envoy's own"),
+            (
+                r#"{"prefill_cluster":"a","prefill_cluster":"b"}"#,
+                "\"prefill_cluster\" is given twice in one object",
+            ),
+            (
+                r#"{"model_prefill_clusters":{"m":"a","m":"b"}}"#,
+                "\"m\" is given twice",
+            ),
             (r#"{"max_request_body_bytes":0}"#, "max_request_body_bytes"),
             (
                 r#"{"max_request_body_bytes":1000,"max_vm_held_bytes":999}"#,

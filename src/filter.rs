@@ -795,9 +795,12 @@ impl RootContext for PdRoot {
                     config.orchestrated_paths.len(),
                     config.prefill_timeout
                 );
-                // Every worker has its own VM: the line once for the process, not per worker.
+                // Every worker has its own VM: the lines once for the process, not per worker.
                 if first_to_announce(&bytes) {
                     log::info!("{summary}");
+                    for warning in config.warnings() {
+                        log::warn!("pd-filter configuration: {warning}");
+                    }
                 } else {
                     log::debug!("{summary}");
                 }
