@@ -236,6 +236,13 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
             "background can only be used when `store` is true",
             Some("background"),
         ),
+        (
+            "kv-not-an-object",
+            CHAT,
+            r#"{"messages":[{"role":"user","content":"hi"}],"kv_transfer_params":"x"}"#,
+            "kv_transfer_params must be an object (or null)",
+            Some("kv_transfer_params"),
+        ),
     ] {
         let id = unique_id(label);
         let reply = assert_refused("default", path, &id, body, 400, message).await;
@@ -250,21 +257,46 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
         );
     }
 
-    // The Messages API answers in Anthropic's shape.
-    let id = unique_id("messages-zero-limit");
-    let reply = Request::post("default", "/v1/messages")
-        .id(&id)
-        .body(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":0}"#)
-        .send()
-        .await;
-    assert_eq!(reply.status, 400, "{}", reply.body);
-    assert_eq!(
-        reply.json(),
-        json!({"type": "error", "error": {"type": "invalid_request_error",
-            "message": "max_tokens must be positive"}})
-    );
-    assert!(h.prefill_requests(&id).is_empty(), "prefill was called");
-    assert!(h.decode_requests(&id).is_empty(), "decode was called");
+    // The Messages API answers in Anthropic's shape, the Cohere-style API in Cohere's.
+    for (label, path, body, answer) in [
+        (
+            "messages-zero-limit",
+            "/v1/messages",
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":0}"#,
+            json!({"type": "error", "error": {"type": "invalid_request_error",
+                "message": "max_tokens must be positive"}}),
+        ),
+        (
+            "messages-min-over-max",
+            "/v1/messages",
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"min_tokens":9}"#,
+            json!({"type": "error", "error": {"type": "invalid_request_error",
+                "message": "min_tokens must be less than or equal to max_tokens=4, got 9."}}),
+        ),
+        (
+            "cohere-negative-limit",
+            "/cohere/v2/chat",
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":-1}"#,
+            json!({"message": "max_tokens must be non-negative"}),
+        ),
+    ] {
+        let id = unique_id(label);
+        let reply = Request::post("default", path)
+            .id(&id)
+            .body(body)
+            .send()
+            .await;
+        assert_eq!(reply.status, 400, "{label}: {}", reply.body);
+        assert_eq!(reply.json(), answer, "{label}");
+        assert!(
+            h.prefill_requests(&id).is_empty(),
+            "{label}: prefill was called"
+        );
+        assert!(
+            h.decode_requests(&id).is_empty(),
+            "{label}: decode was called"
+        );
+    }
 }
 
 /// vLLM 0.11 answers a non-streamed one-token `"required"` tool choice with a 400 (it reads

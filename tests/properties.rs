@@ -183,8 +183,9 @@ fn api() -> impl Strategy<Value = Api> {
 /// The prepared request; `None` when the filter refused it as vLLM would: a completions
 /// request with several prompts (vLLM serves `prompt_embeds`, then `prompt`: a list is one
 /// prompt per item unless it is a list of numbers, one prompt's tokens), `stream_options` without
-/// `stream` (Python's truth of each), or `prompt_logprobs` other than 0 with `stream`, which
-/// is then checked to be so. Every other object is accepted.
+/// `stream` (Python's truth of each), `prompt_logprobs` other than 0 with `stream`, or
+/// `kv_transfer_params` neither an object nor null, which is then checked to be so. Every
+/// other object is accepted.
 fn prepared_unless_several_prompts(api: Api, text: &str) -> Option<PreparedRequest> {
     match prepare(api, text.as_bytes()) {
         Ok(prepared) => Some(prepared),
@@ -215,8 +216,11 @@ fn prepared_unless_several_prompts(api: Api, text: &str) -> Option<PreparedReque
                 && !field("prompt_logprobs").is_null()
                 && truthy(&field("stream"))
                 && !zero(&field("prompt_logprobs"));
+            let client_kv = field("kv_transfer_params");
+            let kv_vllm_refuses = !client_kv.is_null() && !client_kv.is_object();
             assert!(
                 (api == Api::Completions && several)
+                    || kv_vllm_refuses
                     || options_without_stream
                     || streamed_prompt_logprobs
                     || vllm_refuses_the_limits(api, &object),

@@ -40,17 +40,30 @@ pub fn refuse_what_vllm_refuses(
         Api::Messages => check_messages_limit(object),
         // Without an object there, vLLM refuses prefill's copy as it would the client's.
         Api::Generate => sampling_params.map_or(Ok(()), check_sampling_params),
-        Api::CohereChat => Ok(()),
+        Api::CohereChat => check_cohere_limit(object),
     }
 }
 
 /// The Messages API's `max_tokens`, which is required and must be positive (vLLM's
-/// `AnthropicMessagesRequest`).
+/// `AnthropicMessagesRequest`), and its `min_tokens`, checked against it once the request
+/// is made a chat request.
 fn check_messages_limit(object: &JsonObject) -> Result<(), ClientError> {
-    match integer(object, "max_tokens") {
+    let limit = integer(object, "max_tokens");
+    match limit {
         Some(limit) if limit < 1 => Err(ClientError::invalid_field(
             "max_tokens",
             "max_tokens must be positive",
+        )),
+        _ => check_min_tokens(object, limit),
+    }
+}
+
+/// The Cohere-style API's `max_tokens`, which may be 0 but not below.
+fn check_cohere_limit(object: &JsonObject) -> Result<(), ClientError> {
+    match integer(object, "max_tokens") {
+        Some(limit) if limit < 0 => Err(ClientError::invalid_field(
+            "max_tokens",
+            "max_tokens must be non-negative",
         )),
         _ => Ok(()),
     }
@@ -165,8 +178,9 @@ fn is_greedy(object: &JsonObject) -> bool {
 }
 
 /// `background` needs `store` (vLLM's `validate_background`, which reads the raw values:
-/// any true `background`, and a `store` given as false or 0; a null `store` is the default,
-/// true, in current vLLM). Prefill's copy stores nothing and runs in the foreground.
+/// any true `background`, and a `store` given as false or 0). A null `store` is left to
+/// vLLM: 0.34 refuses it beside `background`, later versions read it as the default, true.
+/// Prefill's copy stores nothing and runs in the foreground.
 fn check_background(object: &JsonObject) -> Result<(), ClientError> {
     let background = object.last_value("background").is_some_and(truthy);
     let no_store = object
@@ -395,6 +409,44 @@ mod tests {
             assert_eq!(param, Some("background"));
             assert_eq!(message, "background can only be used when `store` is true");
         }
+    }
+
+    #[test]
+    fn messages_min_tokens_and_cohere_limits_are_checked_as_vllm_checks_them() {
+        let (param, message) = refusal(
+            Api::Messages,
+            r#"{"messages":[],"max_tokens":64,"min_tokens":100}"#,
+        );
+        assert_eq!(param, Some("min_tokens"));
+        assert_eq!(
+            message,
+            "min_tokens must be less than or equal to max_tokens=64, got 100."
+        );
+        let (_, message) = refusal(
+            Api::Messages,
+            r#"{"messages":[],"max_tokens":64,"min_tokens":-1}"#,
+        );
+        assert_eq!(
+            message,
+            "min_tokens must be greater than or equal to 0, got -1."
+        );
+        let (param, message) = refusal(Api::CohereChat, r#"{"messages":[],"max_tokens":-1}"#);
+        assert_eq!(param, Some("max_tokens"));
+        assert_eq!(message, "max_tokens must be non-negative");
+        for body in [
+            r#"{"messages":[],"max_tokens":0}"#,
+            r#"{"messages":[],"max_tokens":"-1"}"#,
+            r#"{"messages":[]}"#,
+        ] {
+            assert_eq!(check(Api::CohereChat, body), Ok(()), "{body}");
+        }
+        assert_eq!(
+            check(
+                Api::Messages,
+                r#"{"messages":[],"max_tokens":64,"min_tokens":64}"#
+            ),
+            Ok(())
+        );
     }
 
     #[test]

@@ -227,6 +227,7 @@ pub fn prepare_with(
     let object = parse_body(json_text(body, json_start))?;
     let sampling_params = sampling_params(&object);
     refuse_nested_kv_transfer_params(&object, sampling_params.as_ref())?;
+    refuse_kv_transfer_params_vllm_refuses(&object)?;
     let asks_prompt_logprobs =
         matches!(api, Api::Completions | Api::ChatCompletions) && object.is_set("prompt_logprobs");
     // vLLM reads `stream` here as Python's truth of the raw value, so "false" counts.
@@ -424,6 +425,19 @@ fn refuse_nested_kv_transfer_params(
     }
 }
 
+/// A client's own `kv_transfer_params` that are not an object (or null): vLLM refuses the
+/// request, which prefill's would otherwise replace and have served.
+fn refuse_kv_transfer_params_vllm_refuses(object: &JsonObject) -> Result<(), ClientError> {
+    let value = object.last_value(KV_TRANSFER_PARAMS);
+    if value.is_some_and(|value| !value.starts_with(b"{") && value != b"null") {
+        return Err(ClientError::invalid_field(
+            KV_TRANSFER_PARAMS,
+            "kv_transfer_params must be an object (or null)",
+        ));
+    }
+    Ok(())
+}
+
 /// The client's body (`object`, with its `sampling_params` read as an object) capped to one
 /// generated token, not streamed, with `kv` as its `kv_transfer_params`, and without
 /// `prompt_logprobs` where `drops_prompt_logprobs`.
@@ -540,11 +554,22 @@ fn constrains_output(object: &JsonObject) -> bool {
 /// as generated and reads them as JSON for the answer; one token never is, and prefill would
 /// answer 400 to a request one vLLM serves. Under `any` (chat's `"required"`) vLLM 0.33 takes
 /// an answer that does not parse as no tool call. The tools, and so the prompt, stay the
-/// same; the choice's other members stay as the client wrote them.
+/// same; the choice's other members stay as the client wrote them. A choice vLLM refuses
+/// (no name, an empty one, or one no tool has) is left as it is, for prefill to refuse in
+/// vLLM's words before it computes anything.
 fn any_instead_of_named_tool(object: &JsonObject) -> Option<Vec<u8>> {
     let choice = JsonObject::parse(object.last_value("tool_choice")?).ok()?;
     let kind: String = serde_json::from_slice(choice.last_value("type")?).ok()?;
     if kind != "tool" {
+        return None;
+    }
+    let name: String = serde_json::from_slice(choice.last_value("name")?).ok()?;
+    let names_a_tool = array_elements(object.last_value("tools")?)?
+        .iter()
+        .filter_map(|tool| JsonObject::parse(tool).ok())
+        .filter_map(|tool| serde_json::from_slice::<String>(tool.last_value("name")?).ok())
+        .any(|tool_name| tool_name == name);
+    if name.is_empty() || !names_a_tool {
         return None;
     }
     let edit = |key: &str| match key {
@@ -881,11 +906,29 @@ mod tests {
     #[test]
     fn a_tool_choice_is_read_as_json_text_before_it_is_rewritten() {
         // `"\u0074ool"` is "tool" to vLLM.
-        let body =
-            r#"{"max_tokens":5,"messages":[],"tool_choice":{"type":"\u0074ool","name":"a"}}"#;
+        let body = r#"{"max_tokens":5,"messages":[],"tools":[{"name":"\u0061"}],"tool_choice":{"type":"\u0074ool","name":"a"}}"#;
         assert_eq!(
             prefill_json(Api::Messages, body)["tool_choice"],
             json!({"type": "any"})
+        );
+        // A named choice vLLM refuses (no name, an empty one, none of the tools') goes to
+        // prefill as sent, which refuses it before it computes the prompt.
+        for choice in [
+            r#"{"type":"tool"}"#,
+            r#"{"type":"tool","name":""}"#,
+            r#"{"type":"tool","name":"b"}"#,
+            r#"{"type":"tool","name":null}"#,
+        ] {
+            let body = format!(
+                r#"{{"max_tokens":5,"messages":[],"tools":[{{"name":"a"}},{{"name":""}}],"tool_choice":{choice}}}"#
+            );
+            let sent: Value = serde_json::from_str(choice).unwrap();
+            assert_eq!(prefill_json(Api::Messages, &body)["tool_choice"], sent);
+        }
+        let body = r#"{"max_tokens":5,"messages":[],"tool_choice":{"type":"tool","name":"a"}}"#;
+        assert_eq!(
+            prefill_json(Api::Messages, body)["tool_choice"],
+            json!({"type": "tool", "name": "a"})
         );
         // An empty name is a valid tool but not a valid named choice: "required" stays.
         let body = r#"{"messages":[],"tools":[{"type":"function","function":{"name":""}}],"tool_choice":"required"}"#;
@@ -1201,7 +1244,11 @@ mod tests {
 
     #[test]
     fn repeated_members_cannot_grow_either_leg() {
-        for member in [r#""kv_transfer_params":0,"#, r#""stream":0,"#, r#""n":2,"#] {
+        for member in [
+            r#""kv_transfer_params":null,"#,
+            r#""stream":0,"#,
+            r#""n":2,"#,
+        ] {
             let body = format!("{{{}\"prompt\":\"x\"}}", member.repeat(5_000));
             let prepared = prepare(Api::ChatCompletions, body.as_bytes()).unwrap();
             let prefill = &prepared.prefill_body;
@@ -1253,7 +1300,7 @@ mod tests {
             "the same without the client's bytes"
         );
         // With the client's own kv_transfer_params, or no member at all: the whole body.
-        for original in [&br#"{"kv_transfer_params":0,"prompt":"x"}"#[..], b" {} "] {
+        for original in [&br#"{"kv_transfer_params":null,"prompt":"x"}"#[..], b" {} "] {
             let prepared = prepare(Api::Completions, original).unwrap();
             let edit = prepared.decode.edit_with_kv(original, kv);
             assert_eq!(edit.replaced_len, original.len());
@@ -1262,11 +1309,34 @@ mod tests {
     }
 
     #[test]
+    fn client_kv_transfer_params_vllm_refuses_are_refused() {
+        for value in [r#""x""#, "[1]", "7", "true"] {
+            let body = format!(r#"{{"prompt":"x","kv_transfer_params":{value}}}"#);
+            let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
+            assert_eq!(error.status, 400, "{value}");
+            assert_eq!(error.param, Some("kv_transfer_params"), "{value}");
+        }
+        for value in ["null", "{}", r#"{"remote_host":"h"}"#] {
+            let body = format!(r#"{{"prompt":"x","kv_transfer_params":{value}}}"#);
+            assert!(
+                prepare(Api::Completions, body.as_bytes()).is_ok(),
+                "{value}"
+            );
+        }
+        // As Python reads them, the last of repeated members counts.
+        let body = br#"{"prompt":"x","kv_transfer_params":{},"kv_transfer_params":1}"#;
+        assert!(prepare(Api::Completions, body).is_err());
+    }
+
+    #[test]
     fn decode_body_replaces_client_kv_transfer_params_in_place() {
-        let decode = decode_with(br#"{"kv_transfer_params": 7, "prompt":"x"}"#, br#"{"k":1}"#);
+        let decode = decode_with(
+            br#"{"kv_transfer_params": {"j":7}, "prompt":"x"}"#,
+            br#"{"k":1}"#,
+        );
         assert_eq!(decode, br#"{"kv_transfer_params": {"k":1}, "prompt":"x"}"#);
         let decode = decode_with(
-            br#"{"kv_transfer_params": 7, "prompt":"x", "kv_transfer_params":{"remote_host":"6.6.6.6"}}"#,
+            br#"{"kv_transfer_params": null, "prompt":"x", "kv_transfer_params":{"remote_host":"6.6.6.6"}}"#,
             br#"{"k":1}"#,
         );
         assert_eq!(decode, br#"{ "prompt":"x", "kv_transfer_params":{"k":1}}"#);
@@ -1279,7 +1349,7 @@ mod tests {
 
     #[test]
     fn decode_without_kv_drops_every_client_kv_transfer_params() {
-        let original = br#"{"kv_transfer_params":{"remote_host":"6.6.6.6"},"prompt":"x","kv_transfer_params":1}"#;
+        let original = br#"{"kv_transfer_params":{"remote_host":"6.6.6.6"},"prompt":"x","kv_transfer_params":null}"#;
         let prepared = prepare(Api::Completions, original).unwrap();
         assert_eq!(
             prepared.decode.body_without_kv(original).unwrap(),
