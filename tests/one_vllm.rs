@@ -587,6 +587,42 @@ async fn a_forced_tool_choice_is_served_as_one_vllm_serves_it() {
     }
 }
 
+/// A Messages `tool_choice` vLLM refuses (no name, or one no tool has) is not turned into
+/// `any` for prefill: prefill refuses it, in vLLM's words, before computing the prompt, and
+/// decode never gets it.
+#[tokio::test]
+async fn a_messages_tool_choice_vllm_refuses_is_refused_by_prefill() {
+    let h = harness();
+    for (choice, message) in [
+        (
+            json!({"type": "tool"}),
+            "tool_choice.name is required when type is 'tool'",
+        ),
+        (
+            json!({"type": "tool", "name": "nope"}),
+            "The tool `nope` specified in `tool_choice` does not match any of the specified \
+             `tools`",
+        ),
+    ] {
+        let id = unique_id("messages-bad-tool");
+        let sent = json!({"model": "m", "max_tokens": 5, "tool_choice": choice,
+                          "messages": [{"role": "user", "content": "weather?"}],
+                          "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}]});
+        let reply = Request::post("default", "/v1/messages")
+            .id(&id)
+            .body(sent.to_string())
+            .send()
+            .await;
+        assert_eq!(reply.status, 400, "{choice}: {}", reply.body);
+        assert_eq!(reply.json()["error"]["message"], message, "{choice}");
+        assert_eq!(h.only_prefill(&id).json()["tool_choice"], choice);
+        assert!(
+            h.decode_requests(&id).is_empty(),
+            "{choice}: decode was called"
+        );
+    }
+}
+
 #[tokio::test]
 async fn vllms_cohere_api_runs_prefill_then_decode_and_answers_in_cohere_shape() {
     for stream in [false, true] {

@@ -410,6 +410,28 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Parsed, String> {
     }
     let named_tool =
         obj.get("tool_choice").and_then(|choice| choice.get("type")) == Some(&json!("tool"));
+    if named_tool {
+        let name = obj
+            .get("tool_choice")
+            .and_then(|choice| choice.get("name"))
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        if name.is_empty() {
+            return Err("tool_choice.name is required when type is 'tool'".into());
+        }
+        let tools = obj.get("tools").and_then(Value::as_array);
+        let known = tools.is_some_and(|tools| {
+            tools
+                .iter()
+                .any(|tool| tool.get("name").and_then(Value::as_str) == Some(name))
+        });
+        if !known {
+            return Err(format!(
+                "The tool `{name}` specified in `tool_choice` does not match any of the \
+                 specified `tools`"
+            ));
+        }
+    }
     if named_tool && limit == 1 {
         // vLLM reads a named tool's generated arguments as JSON for the answer.
         return Err(
