@@ -381,7 +381,7 @@ fn random_body(rng: &mut Rng, env: &Env, case: u64, path: &str) -> (Vec<u8>, boo
             marked = true;
             let member = match rng.below(4) {
                 0 => format!("\"kv_transfer_params\":{},", client_kv(&marker)),
-                1 => "\"kv_transfer_params\":0,".to_owned(),
+                1 => "\"kv_transfer_params\":null,".to_owned(),
                 2 => "\"stream\":true,".to_owned(),
                 _ => "\"max_tokens\":9,".to_owned(),
             };

@@ -818,13 +818,30 @@ async fn content_types_other_than_json_are_415_and_a_missing_one_is_accepted() {
 }
 
 #[tokio::test]
-async fn client_kv_transfer_params_of_any_type_are_replaced_on_both_legs() {
+async fn client_kv_transfer_params_are_replaced_on_both_legs_or_refused_as_vllm_refuses() {
+    let h = harness();
+    // Not an object: vLLM refuses the request, so the filter does, before prefill.
+    for client_kv in [json!("junk"), json!(42), json!([1, 2, 3]), json!(true)] {
+        let id = unique_id("client-kv-refused");
+        let original =
+            format!(r#"{{"prompt":"x","kv_transfer_params":{client_kv},"max_tokens":5}}"#);
+        let reply = assert_refused(
+            "default",
+            COMPLETIONS,
+            &id,
+            &original,
+            400,
+            "kv_transfer_params must be an object (or null)",
+        )
+        .await;
+        assert_eq!(reply.json()["error"]["param"], "kv_transfer_params");
+        assert!(
+            h.prefill_requests(&id).is_empty(),
+            "{client_kv}: prefill was called"
+        );
+    }
     for client_kv in [
-        json!("junk"),
-        json!(42),
-        json!([1, 2, 3]),
         json!(null),
-        json!(true),
         json!({}),
         // A forged object pointing at someone else's blocks.
         json!({"do_remote_prefill": true, "do_remote_decode": false,

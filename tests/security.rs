@@ -339,14 +339,14 @@ async fn a_body_that_grows_past_envoys_buffer_on_decode_is_413_or_served() {
 #[tokio::test]
 async fn eighty_thousand_duplicate_kv_transfer_params_do_not_crash_envoy() {
     // A 16 MiB buffer, 8 MiB body limit (the default listener), as envoy/envoy.yaml buffers.
-    // 1.8 MB of `"kv_transfer_params":0,`: replacing each one by prefill's object makes a
+    // 2.1 MB of `"kv_transfer_params":null,`: replacing each one by prefill's object makes a
     // decode body far above the buffer.
     let id = unique_id("dup-kv-80000");
     let prompt = format!("{id} duplicates");
     let body = repeated_member_body(
         &prompt,
         r#""max_tokens":3,"#,
-        r#""kv_transfer_params":0,"#,
+        r#""kv_transfer_params":null,"#,
         80_000,
         r#""stream":false}"#,
     );
