@@ -298,10 +298,10 @@ fn check_forwarded_header(name: &str) -> Result<(), ConfigError> {
 /// A header the filter writes itself: the body's model on decode's request
 /// (`model_header`), or prefill's time on the answer (`prefill_time_header`).
 fn check_written_header(key: &str, name: &str, on_request: bool) -> Result<(), ConfigError> {
-    let why = if name == "x-request-id" || name == crate::session::KV_RELEASE_HEADER {
-        "is set by the filter itself"
-    } else if CONNECTION_HEADERS.contains(&name) {
+    let why = if CONNECTION_HEADERS.contains(&name) {
         "frames the message or belongs to the connection"
+    } else if RESERVED_HEADERS.contains(&name) {
+        "is set by the filter itself"
     } else if is_envoys(name) {
         "is Envoy's own"
     } else if on_request && CREDENTIAL_HEADERS.contains(&name) {
@@ -1101,6 +1101,7 @@ mod tests {
             (r#"{"model_header":"x-api-key"}"#, "credentials"),
             (r#"{"model_header":"content-type"}"#, "frames the message"),
             (r#"{"model_header":"x-pd-kv-release"}"#, "set by the filter"),
+            (r#"{"model_header":"accept-encoding"}"#, "set by the filter"),
             (
                 r#"{"model_header":"x-gateway-destination-endpoint"}"#,
                 "chooses a worker",

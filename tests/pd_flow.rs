@@ -267,13 +267,6 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
                 "message": "max_tokens must be positive"}}),
         ),
         (
-            "messages-min-over-max",
-            "/v1/messages",
-            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4,"min_tokens":9}"#,
-            json!({"type": "error", "error": {"type": "invalid_request_error",
-                "message": "min_tokens must be less than or equal to max_tokens=4, got 9."}}),
-        ),
-        (
             "cohere-negative-limit",
             "/cohere/v2/chat",
             r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":-1}"#,
