@@ -158,6 +158,13 @@ if [ -f "$stack_file" ]; then # left by a run that was killed before its cleanup
     compose_cmd down --remove-orphans --volumes >/dev/null 2>&1 || true
     rm -f "$stack_file"
 fi
+# Containers of this project left by a killed run from another checkout (whose stack file is
+# not here): compose would try to recreate them from images that run removed, and fail.
+leftover=$(docker ps -aq --filter "label=com.docker.compose.project=$project")
+if [ -n "$leftover" ]; then
+    echo "test-compose: removing containers a killed run left: $(echo $leftover)"
+    docker rm -f $leftover >/dev/null
+fi
 echo "docker: $(docker version --format '{{.Server.Version}}' 2>/dev/null), compose: $("${compose[@]}" version --short 2>/dev/null || "${compose[@]}" version)"
 make --no-print-directory build envoy
 [ -f "$wasm" ] || die "no $wasm after make build"
