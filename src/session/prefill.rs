@@ -1,5 +1,6 @@
 //! The prefill leg: the call, its answer, retries, and what decode gets from it.
 
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};
 
@@ -114,6 +115,17 @@ impl Prefill {
             kv_transfer_params: kv.to_vec(),
             headers: self.prefill_headers,
             _held: self.headers_held,
+        }
+    }
+
+    /// Prefill's `kv_transfer_params` as decode must read them, for the request or for a
+    /// release: a local `remote_host` replaced by the scheduler-chosen host prefill was
+    /// reached at, where `replace_local_remote_host` asks for it.
+    fn reachable_kv<'a>(&self, config: &Config, kv: &'a [u8]) -> Cow<'a, [u8]> {
+        let reached = self.host().filter(|_| config.replace_local_remote_host);
+        match reached.and_then(|host| with_reachable_remote_host(kv, host.ip())) {
+            Some(rewritten) => Cow::Owned(rewritten),
+            None => Cow::Borrowed(kv),
         }
     }
 
@@ -288,7 +300,8 @@ impl Session {
                     "[{}] the client left during prefill; releasing its KV",
                     self.request_id
                 );
-                let unread = prefill.into_unread_kv(kv);
+                let kv = prefill.reachable_kv(&config, kv).into_owned();
+                let unread = prefill.into_unread_kv(&kv);
                 return self.release(&config, unread).into_iter().collect();
             }
             other => {
@@ -333,10 +346,8 @@ impl Session {
         now: SystemTime,
     ) -> Vec<Command> {
         let mut commands = self.prefill_time(&prefill, now, PrefillResult::Kv);
-        let kv = handed.kv;
-        let reached = prefill.host().filter(|_| config.replace_local_remote_host);
-        let with_host = reached.and_then(|host| with_reachable_remote_host(kv, host.ip()));
-        let kv = with_host.as_deref().unwrap_or(kv);
+        let reachable = prefill.reachable_kv(config, handed.kv);
+        let kv = reachable.as_ref();
         let held_logprobs = match self.check_decode_fits(&prefill, kv, body, config) {
             Ok(held_logprobs) => held_logprobs,
             Err(refused) => {

@@ -1194,6 +1194,27 @@ fn the_reached_host_replaces_a_loopback_remote_host() {
     );
 }
 
+/// The release of a client that left during prefill names the same host decode would
+/// have read from: with `localhost`, decode's KV read would never reach prefill.
+#[test]
+fn a_release_after_the_client_left_names_the_reached_host() {
+    let config = r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8"],"replace_local_remote_host":true}"#;
+    let mut s = session(config);
+    let hosts = headers(
+        "POST",
+        "/v1/completions",
+        &[("x-prefiller-host-port", "10.0.0.9:8000")],
+    );
+    send(&mut s, &hosts, r#"{"prompt":"x"}"#);
+    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_stream_done();
+    let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(1));
+    assert_eq!(
+        released(&commands)["kv_transfer_params"]["remote_host"],
+        "10.0.0.9"
+    );
+}
+
 #[test]
 fn other_generation_apis_lose_client_kv_transfer_params() {
     let mut s = session("");
