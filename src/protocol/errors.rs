@@ -38,8 +38,9 @@ impl ClientError {
             ..ClientError::new(
                 429,
                 format!(
-                    "this client left {limit} or more requests whose prefill is still running; \
-                     retry once they have finished"
+                    "this client has {limit} or more requests whose prefill is still running \
+                     after they ended (the client left, or decode could not be reached); retry \
+                     once they have finished"
                 ),
             )
         }
