@@ -1176,8 +1176,9 @@ fn scheduled_hosts_must_be_allowed_and_never_reach_decode() {
     assert_eq!(call_header(call, ORIGINAL_DST_HEADER), None);
 }
 
-#[test]
-fn the_reached_host_replaces_a_loopback_remote_host() {
+/// A request whose prefill went to the scheduler-named 10.0.0.9 (token 1), with
+/// `replace_local_remote_host` on.
+fn prefilling_at_a_scheduled_host() -> Session {
     let config = r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8"],"replace_local_remote_host":true}"#;
     let mut s = session(config);
     let hosts = headers(
@@ -1187,6 +1188,12 @@ fn the_reached_host_replaces_a_loopback_remote_host() {
     );
     send(&mut s, &hosts, r#"{"prompt":"x"}"#);
     s.on_prefill_dispatched(Some(1), at(0));
+    s
+}
+
+#[test]
+fn the_reached_host_replaces_a_loopback_remote_host() {
+    let mut s = prefilling_at_a_scheduled_host();
     let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(1));
     assert_eq!(
         replaced_body(r#"{"prompt":"x"}"#, &commands).unwrap()["kv_transfer_params"]["remote_host"],
@@ -1198,15 +1205,7 @@ fn the_reached_host_replaces_a_loopback_remote_host() {
 /// have read from: with `localhost`, decode's KV read would never reach prefill.
 #[test]
 fn a_release_after_the_client_left_names_the_reached_host() {
-    let config = r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8"],"replace_local_remote_host":true}"#;
-    let mut s = session(config);
-    let hosts = headers(
-        "POST",
-        "/v1/completions",
-        &[("x-prefiller-host-port", "10.0.0.9:8000")],
-    );
-    send(&mut s, &hosts, r#"{"prompt":"x"}"#);
-    s.on_prefill_dispatched(Some(1), at(0));
+    let mut s = prefilling_at_a_scheduled_host();
     s.on_stream_done();
     let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(1));
     assert_eq!(
