@@ -3,9 +3,9 @@
 //! API that has them (the tokens-in API keeps them in `sampling_params`). Prefill's copy
 //! always passes them (one token, no minimum, one choice, nothing stored), so a request that
 //! fails one would cost a whole prefill, and then a KV release, before decode refused it. The
-//! filter refuses such a request itself, in vLLM's words. Only what the request alone settles is checked: values
-//! written as plain JSON integers, limits vLLM does not lower further. Anything else is left
-//! for vLLM to judge.
+//! filter refuses such a request itself, in vLLM's words. Only what the request alone
+//! settles is checked: values written as plain JSON integers, limits vLLM does not lower
+//! further. Anything else is left for vLLM to judge.
 
 use crate::api::Api;
 use crate::json::JsonObject;

@@ -300,7 +300,7 @@ impl Session {
                     "[{}] the client left during prefill; releasing its KV",
                     self.request_id
                 );
-                let kv = prefill.reachable_kv(&config, kv).into_owned();
+                let kv = prefill.reachable_kv(&config, kv);
                 let unread = prefill.into_unread_kv(&kv);
                 return self.release(&config, unread).into_iter().collect();
             }
