@@ -1442,6 +1442,16 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             ));
         }
 
+        let keep_after_400 =
+            &hcm["http_protocol_options"]["override_stream_error_on_invalid_http_message"];
+        if keep_after_400 != true {
+            error(
+                "http_protocol_options.override_stream_error_on_invalid_http_message is not \
+                 true: every 400 the filter answers closes the client's HTTP/1.1 connection"
+                    .to_owned(),
+            );
+        }
+
         if hcm["use_remote_address"] != true {
             error(
                 "use_remote_address is not true: the client's own X-Forwarded-For would be \
@@ -1889,6 +1899,16 @@ fn weakened_envoy_configs_are_caught() {
             },
         ),
         (
+            "connections closed after every 400",
+            "override_stream_error_on_invalid_http_message",
+            |c| {
+                first_hcm(c)["http_protocol_options"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("override_stream_error_on_invalid_http_message");
+            },
+        ),
+        (
             "headers with underscores passed on",
             "headers_with_underscores_action",
             |c| {
@@ -2243,6 +2263,15 @@ fn istio_gateway_limits_patch_the_gateway_with_envoy_yamls_values() {
             "deploy/istio/gateway-limits.yaml: {key} as in envoy/envoy.yaml"
         );
     }
+    // Of HTTP/1.1's options only the one that keeps a connection after a 400: Istio's
+    // gateway sets its own for HTTP/1.0.
+    let keep_after_400 = "override_stream_error_on_invalid_http_message";
+    assert_eq!(
+        typed_config["http_protocol_options"],
+        json!({ keep_after_400: hcm["http_protocol_options"][keep_after_400] }),
+        "deploy/istio/gateway-limits.yaml: http_protocol_options"
+    );
+    assert_eq!(hcm["http_protocol_options"][keep_after_400], true);
     let mut merged: Vec<&str> = typed_config
         .as_object()
         .expect("typed_config")
@@ -2250,7 +2279,7 @@ fn istio_gateway_limits_patch_the_gateway_with_envoy_yamls_values() {
         .map(String::as_str)
         .collect();
     merged.sort_unstable();
-    let mut expected = [&["@type"][..], &keys[..]].concat();
+    let mut expected = [&["@type", "http_protocol_options"][..], &keys[..]].concat();
     expected.sort_unstable();
     assert_eq!(merged, expected);
     // The plugin's body limit fits the HTTP/2 stream window.
@@ -3551,4 +3580,86 @@ fn scheduler_example_keeps_decode_choices_within_the_pool_in_envoy() {
         ));
     }
     assert!(failures.is_empty(), "{failures:#?}\n{}", envoy.log());
+}
+
+/// Reads one answer with a content-length from `stream`: its head (lowercased) and body.
+fn read_sized_answer(stream: &mut std::net::TcpStream) -> (String, String) {
+    use std::io::Read;
+    let mut raw = Vec::new();
+    let mut byte = [0u8; 1];
+    while !raw.ends_with(b"\r\n\r\n") {
+        let read = stream.read(&mut byte).expect("read the answer's head");
+        assert!(read == 1, "connection closed within a head: {raw:?}");
+        raw.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&raw).to_ascii_lowercase();
+    let length = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .and_then(|value| value.trim().parse::<usize>().ok())
+        .unwrap_or_else(|| panic!("no content-length in {head:?}"));
+    let mut body = vec![0u8; length];
+    stream
+        .read_exact(&mut body)
+        .expect("read the answer's body");
+    (head, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// envoy/envoy.yaml as shipped keeps an HTTP/1.1 connection open after a 400 the filter
+/// answers, or prefill's that it passes on, as vLLM does, so that the client's next request
+/// goes on the same connection; malformed HTTP still closes it.
+#[test]
+fn envoy_yaml_keeps_a_connection_after_a_refused_request_in_envoy() {
+    use std::io::{Read, Write};
+    let (_runtime, _prefill, decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-reuse");
+    let refusals = [
+        ("bad JSON", "{bad".to_owned()),
+        (
+            "min_tokens above max_tokens",
+            json!({"model": "mock-model", "prompt": "x", "max_tokens": 2, "min_tokens": 5})
+                .to_string(),
+        ),
+        (
+            "prefill's 400",
+            json!({"model": "mock-model", "prompt": "no mock:prefill_status=400", "max_tokens": 2})
+                .to_string(),
+        ),
+    ];
+    for (label, body) in refusals {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .expect("timeout");
+        let refused = post_request("/v1/completions", &[], &body);
+        stream.write_all(refused.as_bytes()).expect("send");
+        let (head, answer) = read_sized_answer(&mut stream);
+        assert!(head.starts_with("http/1.1 400 "), "{label}: {head}{answer}");
+        assert!(!head.contains("connection: close"), "{label}: {head}");
+        let served = post_request("/v1/completions", &[], COMPLETION_BODY);
+        stream
+            .write_all(served.as_bytes())
+            .expect("send the next request");
+        let (head, answer) = read_sized_answer(&mut stream);
+        assert!(
+            head.starts_with("http/1.1 200 "),
+            "{label}, then a request on the same connection: {head}{answer}"
+        );
+    }
+    let before = decode.requests().len();
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("timeout");
+    let smuggled = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+         content-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n{}",
+        post_request("/v1/completions", &[], COMPLETION_BODY)
+    );
+    stream.write_all(smuggled.as_bytes()).expect("send");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("read until closed");
+    let raw = String::from_utf8_lossy(&raw);
+    assert!(raw.starts_with("HTTP/1.1 400 "), "{raw}");
+    assert_eq!(raw.matches("HTTP/1.1 ").count(), 1, "{raw}");
+    assert_eq!(decode.requests().len(), before, "{:?}", decode.requests());
 }
