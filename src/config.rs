@@ -314,6 +314,26 @@ fn check_written_header(key: &str, name: &str, on_request: bool) -> Result<(), C
     Err(ConfigError(format!("{key}: {name:?} {why}")))
 }
 
+/// The header a scheduler names prefill hosts in (`prefill_host_header`): the filter reads
+/// it as a host list and removes it, so it can be no header the request needs on its way,
+/// nor one the filter or Envoy writes.
+fn check_scheduler_header(name: &str) -> Result<(), ConfigError> {
+    let why = if CONNECTION_HEADERS.contains(&name) {
+        "frames the message or belongs to the connection"
+    } else if RESERVED_HEADERS.contains(&name) {
+        "is set by the filter itself"
+    } else if is_envoys(name) {
+        "is Envoy's own"
+    } else if CREDENTIAL_HEADERS.contains(&name) {
+        "carries the client's credentials, which would be read as prefill hosts and removed"
+    } else if ROUTING_HEADERS.contains(&name) {
+        "chooses the decode worker"
+    } else {
+        return Ok(());
+    };
+    Err(ConfigError(format!("prefill_host_header: {name:?} {why}")))
+}
+
 /// Refuses a configuration that gives a key twice in one object: JSON readers differ on
 /// which one counts, so the setting in force would not be the one an operator reads.
 fn check_no_repeated_keys(bytes: &[u8]) -> Result<(), ConfigError> {
@@ -468,6 +488,7 @@ impl Config {
             .map(|name| header_name("model_header", &name))
             .transpose()?;
         let prefill_host_header = header_name("prefill_host_header", &raw.prefill_host_header)?;
+        check_scheduler_header(&prefill_host_header)?;
         if let Some(name) = &model_header {
             check_written_header("model_header", name, true)?;
             if *name == prefill_host_header {
@@ -502,9 +523,6 @@ impl Config {
                  hosts a scheduler may send prefill to (for example [\"10.0.0.0/8\"])"
                     .into(),
             ));
-        }
-        if raw.prefill_retries > 10 {
-            return Err(ConfigError("prefill_retries must be at most 10".into()));
         }
         if raw.replace_local_remote_host && raw.prefill_host_cluster.is_none() {
             return Err(ConfigError(
@@ -660,7 +678,7 @@ const SHAPES: &[(&str, Shape)] = &[
     ("prefill_host_header", Shape::Text),
     ("prefill_host_cluster", Shape::OptionalText),
     ("prefill_hosts_allowed", Shape::TextList),
-    ("prefill_retries", Shape::Count(u32::MAX as u64)),
+    ("prefill_retries", Shape::Count(10)),
     (
         "on_prefill_failure",
         Shape::Choice(&["fail", "decode_only"]),
@@ -1034,7 +1052,28 @@ mod tests {
             ),
             (
                 r#"{"prefill_retries":99999999999}"#,
-                "prefill_retries must be a whole number up to 4294967295",
+                "prefill_retries must be a whole number up to 10",
+            ),
+            (
+                r#"{"prefill_host_header":"Authorization"}"#,
+                "prefill_host_header: \"authorization\" carries the client's credentials",
+            ),
+            (
+                r#"{"prefill_host_header":"x-envoy-original-dst-host"}"#,
+                "prefill_host_header: \"x-envoy-original-dst-host\" is set by the filter",
+            ),
+            (
+                r#"{"prefill_host_header":"x-envoy-upstream-rq-timeout-ms"}"#,
+                "is Envoy's own",
+            ),
+            (
+                r#"{"prefill_host_header":"x-request-id"}"#,
+                "is set by the filter itself",
+            ),
+            (r#"{"prefill_host_header":"host"}"#, "belongs to the connection"),
+            (
+                r#"{"prefill_host_header":"x-gateway-destination-endpoint"}"#,
+                "chooses the decode worker",
             ),
             (
                 r#"{"max_request_body_bytes":1e9}"#,
@@ -1148,7 +1187,7 @@ mod tests {
                 r#"{"prefill_timeout_ms":-1}"#,
                 "prefill_timeout_ms must be a whole number, 1 or more",
             ),
-            (r#"{"prefill_retries":11}"#, "at most 10"),
+            (r#"{"prefill_retries":11}"#, "up to 10, not 11"),
             // The per-worker bounds: a count, 0 turning them off.
             (
                 r#"{"max_log_lines_per_second":-1}"#,

@@ -579,16 +579,27 @@ fn istio_names_agree_across_the_manifests() {
             "the VirtualService does not route {path}, which the plugin orchestrates"
         );
     }
+    // KV releases go to the pods the gateway routes to, through a Service of their own.
+    let (release_name, release_namespace, release_port) =
+        parse_istio_cluster(&config.decode_cluster);
+    let release_service = service(&release_name, &release_namespace);
+    assert!(service_has_port(&release_service, release_port));
     for route in &routes {
         for destination in route["route"].as_array().expect("route") {
-            let decode = format!(
-                "outbound|{}||{}",
-                destination["destination"]["port"]["number"],
-                destination["destination"]["host"].as_str().expect("host")
+            let (name, namespace) =
+                parse_service_host(destination["destination"]["host"].as_str().expect("host"));
+            assert_ne!(
+                name, release_name,
+                "KV releases must not share the pool the gateway routes clients to"
             );
+            let routed = service(&name, &namespace);
             assert_eq!(
-                config.decode_cluster, decode,
-                "KV releases must go to the decode Service the gateway routes to"
+                (
+                    &release_service["spec"]["selector"],
+                    destination["destination"]["port"]["number"].as_u64()
+                ),
+                (&routed["spec"]["selector"], Some(release_port)),
+                "KV releases must go to the decode pods the gateway routes to"
             );
         }
     }
