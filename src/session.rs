@@ -405,4 +405,6 @@ impl Session {
 }
 
 #[cfg(test)]
+mod sequences;
+#[cfg(test)]
 mod tests;
