@@ -42,6 +42,7 @@ const CONFIGS: &[&str] = &[
     r#"{"hold_request_headers":true,"max_abandoned_prefills_per_client":1}"#,
     r#"{"hold_request_headers":true,"model_header":"x-pd-model","usage":"decode"}"#,
     r#"{"prefill_retries":0,"release_kv_on_abandon":false,"max_request_body_bytes":300}"#,
+    r#"{"hold_request_headers":true,"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8"],"replace_local_remote_host":true,"prefill_retries":2}"#,
 ];
 
 const PATHS: &[&str] = &[
@@ -163,6 +164,10 @@ struct Host {
     trace: Vec<String>,
     /// The request body Envoy holds.
     held: Vec<u8>,
+    /// The request headers as they stand.
+    headers: Vec<(String, Vec<u8>)>,
+    /// The configuration honours the scheduler's prefill hosts (and removes its header).
+    scheduled: bool,
     upload: Vec<Vec<u8>>,
     upload_ended: bool,
     headers_went_on: bool,
@@ -209,6 +214,16 @@ impl Host {
                 | Command::ClearRouteCache => {
                     if self.headers_went_on || self.request_went_on {
                         self.fail("request headers written after they went on");
+                    }
+                    match command {
+                        Command::SetRequestHeader { name, value } => {
+                            self.headers.retain(|(n, _)| *n != name);
+                            self.headers.push((name, value.into_bytes()));
+                        }
+                        Command::RemoveRequestHeader(name) => {
+                            self.headers.retain(|(n, _)| *n != name);
+                        }
+                        _ => {}
                     }
                 }
                 Command::DispatchPrefill(call) => {
@@ -295,6 +310,13 @@ impl Host {
         }
         self.request_went_on = true;
         self.headers_went_on = true;
+        let has = |name: &str| self.headers.iter().any(|(n, _)| n == name);
+        if has(KV_RELEASE_HEADER) {
+            self.fail("the client's x-pd-kv-release went on");
+        }
+        if self.scheduled && self.orchestrated && has("x-prefiller-host-port") {
+            self.fail("the scheduler's prefill hosts went on to decode");
+        }
         let body = String::from_utf8_lossy(&self.held).into_owned();
         self.trace.push(format!("  decode gets: {body}"));
         if self.generation_path && body.contains(CLIENT_KV) {
@@ -594,6 +616,22 @@ fn run(seed: u64) {
     if random.chance(70) {
         headers.push(("x-request-id".to_owned(), b"req-1".to_vec()));
     }
+    if random.chance(10) {
+        headers.push((KV_RELEASE_HEADER.to_owned(), b"1".to_vec()));
+    }
+    if random.chance(30) {
+        let hosts = *random.pick(&[
+            "10.0.0.9:8000",
+            "10.0.0.9:8000,10.0.0.10:8000,10.1.0.1:8000",
+            "192.168.1.1:8000",
+            "not a host",
+            "",
+        ]);
+        headers.push((
+            "x-prefiller-host-port".to_owned(),
+            hosts.as_bytes().to_vec(),
+        ));
+    }
     let content_type = if random.chance(95) {
         "application/json"
     } else {
@@ -616,6 +654,8 @@ fn run(seed: u64) {
             String::from_utf8_lossy(&body)
         )],
         held: Vec::new(),
+        headers: headers.clone(),
+        scheduled: config_text.contains("prefill_host_cluster"),
         upload,
         upload_ended: no_body,
         headers_went_on: false,
