@@ -295,15 +295,25 @@ fn check_forwarded_header(name: &str) -> Result<(), ConfigError> {
     Err(ConfigError(format!("forward_headers: {name:?} {why}")))
 }
 
+/// Why a header the filter writes or takes away is not the operator's to name: one that
+/// frames the message, the filter's own, or Envoy's.
+fn header_clash(name: &str) -> Option<&'static str> {
+    if CONNECTION_HEADERS.contains(&name) {
+        Some("frames the message or belongs to the connection")
+    } else if RESERVED_HEADERS.contains(&name) {
+        Some("is set by the filter itself")
+    } else if is_envoys(name) {
+        Some("is Envoy's own")
+    } else {
+        None
+    }
+}
+
 /// A header the filter writes itself: the body's model on decode's request
 /// (`model_header`), or prefill's time on the answer (`prefill_time_header`).
 fn check_written_header(key: &str, name: &str, on_request: bool) -> Result<(), ConfigError> {
-    let why = if CONNECTION_HEADERS.contains(&name) {
-        "frames the message or belongs to the connection"
-    } else if RESERVED_HEADERS.contains(&name) {
-        "is set by the filter itself"
-    } else if is_envoys(name) {
-        "is Envoy's own"
+    let why = if let Some(why) = header_clash(name) {
+        why
     } else if on_request && CREDENTIAL_HEADERS.contains(&name) {
         "carries the client's credentials, which the body's model would replace"
     } else if on_request && ROUTING_HEADERS.contains(&name) {
@@ -318,12 +328,8 @@ fn check_written_header(key: &str, name: &str, on_request: bool) -> Result<(), C
 /// it as a host list and removes it, so it can be no header the request needs on its way,
 /// nor one the filter or Envoy writes.
 fn check_scheduler_header(name: &str) -> Result<(), ConfigError> {
-    let why = if CONNECTION_HEADERS.contains(&name) {
-        "frames the message or belongs to the connection"
-    } else if RESERVED_HEADERS.contains(&name) {
-        "is set by the filter itself"
-    } else if is_envoys(name) {
-        "is Envoy's own"
+    let why = if let Some(why) = header_clash(name) {
+        why
     } else if CREDENTIAL_HEADERS.contains(&name) {
         "carries the client's credentials, which would be read as prefill hosts and removed"
     } else if ROUTING_HEADERS.contains(&name) {
