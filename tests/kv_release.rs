@@ -330,7 +330,7 @@ async fn decode_that_closes_its_connection_before_answering_strands_no_kv() {
 #[tokio::test]
 async fn decode_that_refuses_a_request_prefill_served_strands_no_kv() {
     let _serial = SERIAL.lock().await;
-    // Prefill gets one capped token without min_tokens and serves it; decode gets the
+    // Prefill gets one capped token (min_tokens 1) and serves it; decode gets the
     // client's own limits and refuses them, as vLLM's API server does, before any KV is read:
     // a minimum above the context left after the prompt (which only decode knows: a chat
     // request without a limit may take the rest of it). A limit past the model's context,

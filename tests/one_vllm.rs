@@ -683,7 +683,7 @@ async fn vllms_tokens_in_api_is_capped_in_sampling_params_and_runs_prefill_then_
         let (reply, prefill, decode) = served_on_prefills_kv(request, &id, &case).await;
         assert_eq!(
             prefill["sampling_params"],
-            json!({"max_tokens": 1, "temperature": 0}),
+            json!({"max_tokens": 1, "min_tokens": 1, "temperature": 0}),
             "{case}"
         );
         assert_eq!(prefill["max_tokens"], 99, "{case}: not this API's limit");

@@ -3,7 +3,10 @@
 
 mod common;
 
-use common::{assert_refused, assert_served, harness, remote_decode_request, unique_id, Request};
+use common::{
+    assert_recomputed, assert_refused, assert_served, harness, remote_decode_request, unique_id,
+    Request,
+};
 use serde_json::{json, Value};
 
 const COMPLETIONS: &str = "/v1/completions";
@@ -27,7 +30,7 @@ async fn completions_prefill_is_capped_and_decode_gets_the_original_with_kv() {
     assert_eq!(
         h.only_prefill(&id).json(),
         json!({"model":"m","prompt":"the quick brown fox","max_tokens":1,"temperature":0.5,
-               "stream":false,"kv_transfer_params":remote_decode_request()})
+               "min_tokens":1,"stream":false,"kv_transfer_params":remote_decode_request()})
     );
     assert_eq!(kv["do_remote_prefill"], true);
     assert_eq!(kv["remote_num_tokens"], 5);
@@ -81,7 +84,7 @@ async fn responses_with_max_output_tokens_keep_the_clients_limit_on_decode() {
 }
 
 #[tokio::test]
-async fn min_tokens_never_reaches_prefill_but_reaches_decode() {
+async fn prefill_gets_min_tokens_of_one_and_decode_the_clients() {
     let h = harness();
     for (label, original) in [
         (
@@ -96,13 +99,34 @@ async fn min_tokens_never_reaches_prefill_but_reaches_decode() {
         let id = unique_id(label);
         assert_served("default", COMPLETIONS, &id, original).await;
         let prefill = h.only_prefill(&id).json();
-        assert!(prefill.get("min_tokens").is_none(), "{prefill}");
+        assert_eq!(prefill["min_tokens"], 1, "{prefill}");
         assert!(prefill.get("min_completion_tokens").is_none(), "{prefill}");
         assert_eq!(prefill["max_tokens"], 1);
         let decode = h.only_decode(&id).json();
         let sent: Value = serde_json::from_str(original).unwrap();
         assert_eq!(decode["min_tokens"], sent["min_tokens"]);
     }
+}
+
+/// vLLM's connectors hand KV over only for an answer cut at its limit. Where the model's first
+/// token would end the answer, prefill's copy holds it off (`min_tokens` 1) on completions and
+/// chat, and decode reads the KV; /v1/responses has no `min_tokens`, and there decode
+/// computes the prompt itself (`on_missing_kv_transfer_params: decode_only`).
+#[tokio::test]
+async fn a_first_token_that_would_stop_prefill_still_hands_its_kv_to_decode() {
+    let h = harness();
+    let stops = "it ends mock:prefill_first_token_stop";
+    let completions = json!({"model": "m", "prompt": stops, "max_tokens": 5});
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": stops}],
+        "min_tokens": 0, "max_tokens": 5});
+    for (path, body) in [(COMPLETIONS, completions), (CHAT, chat)] {
+        let id = unique_id("first-token-stop");
+        assert_served("default", path, &id, &body.to_string()).await;
+        assert_eq!(h.only_prefill(&id).json()["min_tokens"], 1);
+    }
+    let id = unique_id("first-token-stop-responses");
+    let responses = json!({"model": "m", "input": stops, "max_output_tokens": 5});
+    assert_recomputed("default", RESPONSES, &id, &responses.to_string()).await;
 }
 
 /// What vLLM cannot serve split in two gets a 400 that says why, before any worker is

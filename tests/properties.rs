@@ -466,7 +466,7 @@ fn check_prefill(api: Api, text: &str) -> Result<(), TestCaseError> {
         top_level_count(&prepared.prefill_body, "kv_transfer_params"),
         1
     );
-    prop_assert!(prepared.prefill_body.len() <= text.len() + REMOTE_DECODE_REQUEST.len() + 96);
+    prop_assert!(prepared.prefill_body.len() <= text.len() + REMOTE_DECODE_REQUEST.len() + 112);
     let one = Value::from(1);
 
     // Responses has no max_tokens: capped where the client sent one, never added.
@@ -490,9 +490,12 @@ fn check_prefill(api: Api, text: &str) -> Result<(), TestCaseError> {
         prop_assert!(!prefill.contains_key("max_output_tokens"));
     }
     prop_assert_eq!(prefill.get("stream"), Some(&Value::Bool(false)));
-    for key in ["min_tokens", "min_completion_tokens", "stream_options"] {
+    for key in ["min_completion_tokens", "stream_options"] {
         prop_assert!(!prefill.contains_key(key));
     }
+    // Prefill's one token is never a stop where vLLM reads min_tokens.
+    let holds_off_a_stop = matches!(api, Api::Completions | Api::ChatCompletions);
+    prop_assert_eq!(prefill.get("min_tokens"), holds_off_a_stop.then_some(&one));
     let remote_decode: Value = serde_json::from_slice(REMOTE_DECODE_REQUEST).unwrap();
     prop_assert_eq!(prefill.get("kv_transfer_params"), Some(&remote_decode));
     // A stream carries no prompt logprobs: prefill is not asked for them.

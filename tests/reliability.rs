@@ -676,10 +676,10 @@ async fn deeply_nested_json_gets_a_clean_4xx() {
 async fn duplicates_of_a_capped_key_become_one_capped_member_on_prefill() {
     let id = unique_id("duplicates");
     let original = r#"{"max_tokens":50,"prompt":"dupword twice","n":2,"min_tokens":2,"stream":true,"stream_options":{"include_usage":true},"max_tokens":6,"n":3,"min_tokens":3,"stream":false,"stream_options":null,"kv_transfer_params":"a","kv_transfer_params":{"b":1}}"#;
-    // Prefill: one max_tokens and one n of 1, one stream false, one kv_transfer_params asking
-    // for a remote decode, no min_tokens or stream_options: a client cannot multiply what the
-    // filter adds. Decode: the client's bytes with one kv_transfer_params, what prefill issued
-    // for "dupword twice".
+    // Prefill: one max_tokens, one min_tokens and one n of 1, one stream false, one
+    // kv_transfer_params asking for a remote decode, no stream_options: a client cannot
+    // multiply what the filter adds. Decode: the client's bytes with one kv_transfer_params,
+    // what prefill issued for "dupword twice".
     let (reply, _) = assert_served("default", COMPLETIONS, &id, original).await;
     // Decode sees the last of each duplicate, like any JSON parser: 3 choices of 6 tokens.
     let answer = reply.json();

@@ -351,6 +351,10 @@ struct Faults {
     /// Decode: counts this many prompt tokens more than prefill, as a worker that rendered
     /// the request into a longer prompt would (`mock:decode_extra_prompt_tokens=N`).
     extra_prompt_tokens: Option<u64>,
+    /// Prefill: the model's first token would end the answer (`mock:prefill_first_token_stop`):
+    /// unless `min_tokens` holds it off, the answer stops there and, as in vLLM, no KV is
+    /// handed over.
+    first_token_stop: bool,
 }
 
 impl Faults {
@@ -388,6 +392,7 @@ impl Faults {
             } else {
                 num("extra_prompt_tokens")
             },
+            first_token_stop: prefill && flag("first_token_stop"),
         }
     }
 }
@@ -592,10 +597,12 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
     }
     let wants_kv =
         parsed.kv.as_ref().and_then(|kv| kv.get("do_remote_decode")) == Some(&Value::Bool(true));
+    // vLLM's connectors hand KV over only for an answer cut at its limit.
+    let stopped = faults.first_token_stop && parsed.min_tokens == 0;
     // KV that is never sent is never issued: the ledger counts only what a decode could read.
     let kv = if faults.kv_not_object {
         json!("oops")
-    } else if faults.null_kv || faults.no_kv || !wants_kv {
+    } else if faults.null_kv || faults.no_kv || !wants_kv || stopped {
         Value::Null
     } else {
         let prompt_tokens = parsed.prompt_tokens();
@@ -623,6 +630,13 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
         kv["remote_prefill_cached_tokens"] = json!(answer.cached_tokens);
     }
     let mut object = answer.object();
+    if stopped {
+        if let Some(choices) = object["choices"].as_array_mut() {
+            for choice in choices {
+                choice["finish_reason"] = json!("stop");
+            }
+        }
+    }
     if parsed.prompt_logprobs.is_some() {
         let logprobs = parsed.prompt_logprobs_value();
         match parsed.endpoint {

@@ -19,6 +19,7 @@ Faults, asked for anywhere in a request body's text:
   mock:prefill_stall_mid_answer_ms=N             send half the answer, wait N ms, send the rest
   mock:prefill_no_kv, mock:prefill_null_kv, mock:prefill_kv_not_object   bad kv_transfer_params
   mock:prefill_non_json                          answer 200 with a text body
+  mock:prefill_first_token_stop                  the first token ends the answer (no KV) unless min_tokens >= 1
   mock:prefill_huge=N                            pad prefill's answer with N bytes (at most 128 MiB)
   mock:prefill_cached_tokens=N                   report N prompt tokens from the prefix cache
   mock:prefill_hands_cached_tokens               put them into kv_transfer_params for decode (vLLM 0.33)

@@ -50,6 +50,8 @@ pub(crate) struct Parsed {
     pub prompt_logprobs: Option<u64>,
     /// Generate: the `request_id` the request named.
     pub request_id: Option<String>,
+    /// `min_tokens` (completions, chat; generate's `sampling_params`): 0 when absent.
+    pub min_tokens: u64,
 }
 
 /// The prompt's length in the mock's tokens: its words, at least one.
@@ -173,6 +175,7 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         kv: obj.get("kv_transfer_params").cloned(),
         prompt_logprobs: prompt_logprobs(endpoint, obj),
         request_id: None,
+        min_tokens: min.unwrap_or(0).max(0) as u64,
     })
 }
 
@@ -470,6 +473,7 @@ fn one_sequence(
         kv: obj.get("kv_transfer_params").cloned(),
         prompt_logprobs: None,
         request_id: None,
+        min_tokens: 0,
     }
 }
 
@@ -553,7 +557,8 @@ fn parse_generate(obj: &Map<String, Value>) -> Result<Parsed, String> {
     };
     let limit = int_field(params, "max_tokens")?.unwrap_or(16);
     check_limit("max_tokens", limit)?;
-    check_min(int_field(params, "min_tokens")?, limit)?;
+    let min_tokens = int_field(params, "min_tokens")?;
+    check_min(min_tokens, limit)?;
     let n = int_field(params, "n")?.unwrap_or(1);
     check_n(n)?;
     check_greedy(params, n)?;
@@ -586,6 +591,7 @@ fn parse_generate(obj: &Map<String, Value>) -> Result<Parsed, String> {
         kv: obj.get("kv_transfer_params").cloned(),
         prompt_logprobs,
         request_id,
+        min_tokens: min_tokens.unwrap_or(0).max(0) as u64,
     })
 }
 

@@ -125,6 +125,34 @@ async fn responses_ignores_max_tokens() {
     assert_eq!(v["kv_transfer_params"]["remote_port"], p.port());
 }
 
+/// As vLLM's connectors: an answer its first token ends (the model's end of sequence) hands
+/// over no KV; `min_tokens` of 1 holds that token off, and the answer is cut at its limit.
+#[tokio::test]
+async fn a_first_token_stop_hands_over_no_kv_unless_min_tokens_holds_it_off() {
+    let p = server(Role::Prefill).await;
+    let mut body = json!({"prompt": "done mock:prefill_first_token_stop", "max_tokens": 1,
+        "kv_transfer_params": prefill_kv()});
+    let stopped = post(p.port(), "/v1/completions", &body, None).await.json();
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    assert_eq!(stopped["kv_transfer_params"], Value::Null);
+    body["min_tokens"] = json!(1);
+    let capped = post(p.port(), "/v1/completions", &body, None).await.json();
+    assert_eq!(capped["choices"][0]["finish_reason"], "length");
+    assert_eq!(capped["kv_transfer_params"]["do_remote_prefill"], true);
+    let generate = json!({"token_ids": [5, 6], "sampling_params": {"max_tokens": 1},
+        "kv_transfer_params": prefill_kv(), "mock": "mock:prefill_first_token_stop"});
+    let stopped = post(p.port(), "/inference/v1/generate", &generate, None)
+        .await
+        .json();
+    assert_eq!(stopped["kv_transfer_params"], Value::Null);
+    let mut held_off = generate;
+    held_off["sampling_params"]["min_tokens"] = json!(1);
+    let capped = post(p.port(), "/inference/v1/generate", &held_off, None)
+        .await
+        .json();
+    assert!(capped["kv_transfer_params"].is_object(), "{capped}");
+}
+
 #[tokio::test]
 async fn decode_reused_mismatch_recomputed() {
     let p = server(Role::Prefill).await;

@@ -126,7 +126,7 @@ fn check_limit(limit: Option<i64>) -> Result<(), ClientError> {
     }
 }
 
-/// `min_tokens`, which prefill's copy leaves out, against the request's own limit. vLLM may
+/// `min_tokens`, which prefill's copy sets to 1, against the request's own limit. vLLM may
 /// lower that limit further (to the context left after the prompt, or the model's default),
 /// which only the worker knows.
 fn check_min_tokens(object: &JsonObject, limit: Option<i64>) -> Result<(), ClientError> {

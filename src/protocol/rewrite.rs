@@ -580,20 +580,31 @@ fn any_instead_of_named_tool(object: &JsonObject) -> Option<Vec<u8>> {
     Some(choice.splice(edit, &[]).write(choice.text(), b""))
 }
 
-/// `sampling_params` of the tokens-in API capped to one token: one sequence, no minimum.
+/// `sampling_params` of the tokens-in API capped to one token: one sequence, and that token
+/// not a stop (see [`holds_off_a_stop`]).
 fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
     const ONE: &[u8] = b"1";
     let edit = |key: &str| match key {
-        "max_tokens" | "n" => Edit::Replace(ONE),
-        "min_tokens" => Edit::Remove,
+        "max_tokens" | "n" | "min_tokens" => Edit::Replace(ONE),
         _ => Edit::Keep,
     };
-    let append: &[(&str, Edit)] = if params.has("max_tokens") {
-        &[]
-    } else {
-        &[("max_tokens", Edit::Replace(ONE))]
-    };
-    params.splice(edit, append).write(params.text(), b"")
+    let mut append: Vec<(&str, Edit)> = Vec::with_capacity(2);
+    for limit in ["max_tokens", "min_tokens"] {
+        if !params.has(limit) {
+            append.push((limit, Edit::Replace(ONE)));
+        }
+    }
+    params.splice(edit, &append).write(params.text(), b"")
+}
+
+/// Whether prefill's copy asks for `min_tokens: 1`. vLLM's KV connectors hand the prompt's KV
+/// over only when the answer ended at its length limit: a first token that is the end of
+/// sequence (or one of `stop_token_ids`) ends it as stopped, its KV is freed and decode has
+/// to compute the whole prompt again. `min_tokens: 1` keeps those tokens from being sampled
+/// for the one token prefill makes (decode samples its own). Only where vLLM reads the field
+/// in every version: completions, chat and the tokens-in API's `sampling_params`.
+fn holds_off_a_stop(api: Api) -> bool {
+    matches!(api, Api::Completions | Api::ChatCompletions | Api::Generate)
 }
 
 /// Whether a JSON value is true to Python (`bool(value)`), as vLLM's checks of the raw
@@ -752,11 +763,12 @@ fn one_token_splice(
         // A stored prefill answer (one token) would never be read, and never freed.
         "store" if api == Api::Responses => Edit::Replace(b"false"),
         KV_TRANSFER_PARAMS => kv,
+        "min_tokens" if api != Api::Generate && holds_off_a_stop(api) => Edit::Replace(ONE),
         "min_tokens" | "min_completion_tokens" | "stream_options" => Edit::Remove,
         "prompt_logprobs" if drops_prompt_logprobs => Edit::Remove,
         _ => Edit::Keep,
     };
-    let mut append: Vec<(&'static str, Edit)> = Vec::with_capacity(5);
+    let mut append: Vec<(&'static str, Edit)> = Vec::with_capacity(6);
     // Messages requires max_tokens: without it prefill refuses the request, as decode would.
     // Responses has no max_tokens (vLLM would log it as an ignored field on every request).
     let appends_max_tokens = !matches!(api, Api::Messages | Api::Generate | Api::Responses);
@@ -769,6 +781,9 @@ fn one_token_splice(
     // vLLM's `store` defaults to true.
     if api == Api::Responses && !object.has("store") {
         append.push(("store", Edit::Replace(b"false")));
+    }
+    if api != Api::Generate && holds_off_a_stop(api) && !object.has("min_tokens") {
+        append.push(("min_tokens", Edit::Replace(ONE)));
     }
     if !object.has("stream") {
         append.push(("stream", Edit::Replace(b"false")));
@@ -1022,8 +1037,8 @@ mod tests {
         let body = r#"{"model":"m","prompt":"hi","max_tokens":200,"min_tokens":50,"stream":true,"stream_options":{"include_usage":true},"n":3,"temperature":0.7}"#;
         assert_eq!(
             prefill_json(Api::Completions, body),
-            json!({"model":"m","prompt":"hi","max_tokens":1,"stream":false,"n":1,
-                   "temperature":0.7,"kv_transfer_params":remote_decode()})
+            json!({"model":"m","prompt":"hi","max_tokens":1,"min_tokens":1,"stream":false,
+                   "n":1,"temperature":0.7,"kv_transfer_params":remote_decode()})
         );
     }
 
@@ -1075,12 +1090,46 @@ mod tests {
     }
 
     #[test]
-    fn min_tokens_without_max_tokens_is_removed_and_max_tokens_added() {
+    fn min_tokens_is_one_on_prefill_and_max_tokens_added() {
         let body = r#"{"prompt":"hi","min_tokens":12,"min_completion_tokens":3}"#;
         assert_eq!(
             prefill_json(Api::Completions, body),
-            json!({"prompt":"hi","max_tokens":1,"stream":false,"kv_transfer_params":remote_decode()})
+            json!({"prompt":"hi","min_tokens":1,"max_tokens":1,"stream":false,
+                   "kv_transfer_params":remote_decode()})
         );
+    }
+
+    /// vLLM hands KV over only for an answer cut at its limit: prefill's one token must not
+    /// be a stop, wherever every vLLM reads `min_tokens`; elsewhere the field stays out.
+    #[test]
+    fn prefills_one_token_is_never_a_stop_where_vllm_reads_min_tokens() {
+        for (api, body) in [
+            (Api::Completions, r#"{"prompt":"hi","max_tokens":5}"#),
+            (Api::ChatCompletions, r#"{"messages":[],"min_tokens":0}"#),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"min_tokens":3,"min_tokens":4}"#,
+            ),
+        ] {
+            let prefill = prefill_json(api, body);
+            assert_eq!(prefill["min_tokens"], 1, "{body}");
+            let text = prepare(api, body.as_bytes()).unwrap().prefill_body;
+            let text = String::from_utf8(text).unwrap();
+            assert_eq!(text.matches("min_tokens").count(), 1, "{text}");
+        }
+        for (api, body) in [
+            (Api::Responses, r#"{"input":"hi"}"#),
+            (
+                Api::Messages,
+                r#"{"messages":[],"max_tokens":5,"min_tokens":2}"#,
+            ),
+            (Api::CohereChat, r#"{"messages":[],"max_tokens":5}"#),
+        ] {
+            assert!(
+                prefill_json(api, body).get("min_tokens").is_none(),
+                "{body}"
+            );
+        }
     }
 
     #[test]
@@ -1184,12 +1233,15 @@ mod tests {
         assert_eq!(
             prefill,
             json!({"token_ids":[1,2,3],
-                   "sampling_params":{"max_tokens":1,"n":1,"temperature":0.5},
+                   "sampling_params":{"max_tokens":1,"min_tokens":1,"n":1,"temperature":0.5},
                    "stream":false,"max_tokens":7,"kv_transfer_params":remote_decode()})
         );
         // Without a limit, one is added where the API reads it.
         let unlimited = prefill_json(Api::Generate, r#"{"token_ids":[1],"sampling_params":{}}"#);
-        assert_eq!(unlimited["sampling_params"], json!({"max_tokens":1}));
+        assert_eq!(
+            unlimited["sampling_params"],
+            json!({"max_tokens":1,"min_tokens":1})
+        );
         assert!(unlimited.get("max_tokens").is_none());
         // Decode gets the client's own limits.
         let prepared = prepare(Api::Generate, body.as_bytes()).unwrap();

@@ -259,7 +259,7 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
     let prefill: Value = serde_json::from_slice(&call.body).unwrap();
     assert_eq!(prefill["max_tokens"], 1);
     assert_eq!(prefill["stream"], false);
-    assert!(prefill.get("min_tokens").is_none());
+    assert_eq!(prefill["min_tokens"], 1);
     assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
 
     assert!(session.on_prefill_dispatched(Some(7), at(1)).is_empty());
@@ -882,7 +882,7 @@ fn a_retry_reads_the_body_envoy_holds_again() {
     let prefill: Value = serde_json::from_slice(&call.body).unwrap();
     assert_eq!(prefill["prompt"], "x");
     assert_eq!(prefill["max_tokens"], 1);
-    assert!(prefill.get("min_tokens").is_none(), "{prefill}");
+    assert_eq!(prefill["min_tokens"], 1, "{prefill}");
     // The retry is served like the first attempt: decode gets the client's own limits.
     s.on_prefill_dispatched(Some(2), at(6));
     let commands = s.on_prefill_answer(2, Some(200), prefill_ok().as_bytes(), at(9));

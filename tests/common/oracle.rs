@@ -2,8 +2,9 @@
 //!
 //! Prefill gets the client's body with every limit capped to 1 (`max_tokens` added when
 //! absent but on /v1/responses, which has none, where `max_output_tokens` is; `store` and
-//! `background` false there), `stream` false, no `min_tokens`,
-//! `min_completion_tokens` or `stream_options`, and `kv_transfer_params` asking for a remote
+//! `background` false there), `stream` false, `min_tokens` 1 on completions and chat (none on
+//! /v1/responses), no `min_completion_tokens` or `stream_options`, and `kv_transfer_params`
+//! asking for a remote
 //! decode, each edited member once however often the client repeated it; every other member
 //! byte for byte, in order. Decode gets the client's bytes with exactly one
 //! `kv_transfer_params`, what prefill issued for that prompt: in place where the client had
@@ -28,7 +29,7 @@ const CAPPED: [&str; 4] = [
     "max_output_tokens",
     "n",
 ];
-/// Never sent to prefill.
+/// Never sent to prefill (but `min_tokens`, which completions and chat get as 1).
 const REMOVED: [&str; 3] = ["min_tokens", "min_completion_tokens", "stream_options"];
 
 /// The `kv_transfer_params` the filter sends prefill.
@@ -126,6 +127,8 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
     let sent = members(client_text)?;
     let got = members(prefill_text)?;
     let responses = path == "/v1/responses";
+    // Prefill's one token must not be a stop where vLLM reads min_tokens.
+    let holds_off_a_stop = !responses;
     // A chat request's "required" tool choice names a tool on prefill, and the one output
     // constraint vLLM refuses beside a named tool goes (checked by their tests).
     let names_a_tool = path == "/v1/chat/completions"
@@ -187,7 +190,7 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
             .collect()
     };
     let always = |key: &str| {
-        (key == "max_tokens" && !responses)
+        ((key == "max_tokens" || key == "min_tokens") && !responses)
             || key == "stream"
             || key == KV
             || (responses && (key == "max_output_tokens" || key == "store"))
@@ -195,6 +198,9 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
     let mut required = vec![("stream", json!(false)), (KV, remote_decode_request())];
     if responses {
         required.extend([("store", json!(false)), ("background", json!(false))]);
+    }
+    if holds_off_a_stop {
+        required.push(("min_tokens", json!(1)));
     }
     let rules = CAPPED
         .iter()
@@ -212,7 +218,13 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
             ));
         }
     }
-    if let Some(key) = REMOVED.iter().find(|key| !values(&got, key).is_empty()) {
+    let removed = REMOVED
+        .iter()
+        .filter(|key| !(holds_off_a_stop && **key == "min_tokens"));
+    if let Some(key) = removed
+        .into_iter()
+        .find(|key| !values(&got, key).is_empty())
+    {
         return Err(format!("{key} reached prefill: {prefill_text}"));
     }
     Ok(())
