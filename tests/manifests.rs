@@ -1091,12 +1091,16 @@ fn envoy_validate_runs_the_filters_configuration() {
 /// Request headers that choose a worker. They are trusted only from the operator's own
 /// components (a scheduler, the filter itself), so every configuration removes clients' copies
 /// before any filter runs.
-const TRUSTED_HEADERS: [&str; 4] = [
+const TRUSTED_HEADERS: [&str; 6] = [
     "x-prefiller-host-port",
     "x-gateway-destination-endpoint",
     "x-pd-model",
+    // Any other header in the filter's x-pd- names, today's and tomorrow's.
+    "x-pd-anything",
     // vLLM 0.33 serves a request on the data-parallel engine it names.
     "x-data-parallel-rank",
+    // The host an ORIGINAL_DST cluster that reads it connects to.
+    "x-envoy-original-dst-host",
 ];
 
 /// The filter's defaults for the keys the checks below read.
@@ -1598,8 +1602,8 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             );
         }
 
-        // The worker-choosing headers removed before any filter runs.
-        let removed: Vec<String> = hcm["early_header_mutation_extensions"]
+        // The worker-choosing headers removed before any filter runs, by name or prefix.
+        let mutations: Vec<Value> = hcm["early_header_mutation_extensions"]
             .as_array()
             .into_iter()
             .flatten()
@@ -1612,8 +1616,15 @@ fn hardening_errors(config: &Value) -> Vec<String> {
                     .cloned()
                     .unwrap_or_default()
             })
-            .filter_map(|mutation| mutation["remove"].as_str().map(str::to_ascii_lowercase))
             .collect();
+        let removed = |header: &str| {
+            mutations.iter().any(|mutation| {
+                let by_name = mutation["remove"].as_str();
+                let by_prefix = mutation["remove_on_match"]["key_matcher"]["prefix"].as_str();
+                by_name.is_some_and(|name| name.eq_ignore_ascii_case(header))
+                    || by_prefix.is_some_and(|prefix| header.starts_with(prefix))
+            })
+        };
         let mut trusted: Vec<String> = TRUSTED_HEADERS.iter().map(|h| h.to_string()).collect();
         for (_, plugin) in &filters {
             for key in ["prefill_host_header", "model_header"] {
@@ -1623,7 +1634,7 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             }
         }
         for header in trusted {
-            if !removed.contains(&header) {
+            if !removed(&header) {
                 error(format!(
                     "client copies of {header} are not removed early (early_header_mutation_extensions)"
                 ));
@@ -1881,6 +1892,14 @@ fn weakened_envoy_configs_are_caught() {
                     .retain(|m| m["remove"] != "x-gateway-destination-endpoint");
             },
         ),
+        ("the filter's x-pd- headers kept", "x-pd-anything", |c| {
+            let mutations = &mut first_hcm(c)["early_header_mutation_extensions"][0]
+                ["typed_config"]["mutations"];
+            mutations
+                .as_array_mut()
+                .unwrap()
+                .retain(|m| m["remove_on_match"].is_null());
+        }),
         (
             "the filter's own host header kept",
             "x-scheduler-prefill",
@@ -2164,9 +2183,15 @@ fn istio_manifests_require_path_normalization_and_refuse_scheduler_headers() {
         "the mesh must decode %2F and merge slashes before the filter sees the path"
     );
 
-    // Clients' copies of the worker-choosing headers are refused at the plugin's gateway.
+    // Clients' copies of the worker-choosing headers are refused at the plugin's gateway (an
+    // AuthorizationPolicy names headers one by one: the x-pd- names but x-pd-model, which
+    // choose nothing, are left to the filter).
     let plugin = wasm_plugin();
-    let mut trusted: Vec<String> = TRUSTED_HEADERS.iter().map(|h| h.to_string()).collect();
+    let mut trusted: Vec<String> = TRUSTED_HEADERS
+        .iter()
+        .filter(|header| **header != "x-pd-anything")
+        .map(|h| h.to_string())
+        .collect();
     for key in ["prefill_host_header", "model_header"] {
         if let Some(header) = plugin["spec"]["pluginConfig"][key].as_str() {
             trusted.push(header.to_ascii_lowercase());
@@ -3397,7 +3422,9 @@ fn envoy_yaml_canonicalizes_paths_and_strips_scheduler_headers_in_envoy() {
             ("x-prefiller-host-port", &admin),
             ("x-gateway-destination-endpoint", &admin),
             ("x-pd-model", "another-model"),
+            ("x-pd-anything", "1"),
             ("x-data-parallel-rank", "3"),
+            ("x-envoy-original-dst-host", &admin),
             // Their spellings with underscores, which a server reading `_` as `-` would take
             // for them: dropped too.
             ("x_prefiller_host_port", &admin),
