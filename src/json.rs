@@ -105,6 +105,15 @@ impl<'a> JsonObject<'a> {
         self.members.iter().any(|m| m.key == key)
     }
 
+    /// The value text of every member named `key`, in order: the ones JSON parsers drop
+    /// too.
+    pub fn values<'k>(&'k self, key: &'k str) -> impl Iterator<Item = &'a [u8]> + 'k {
+        self.members
+            .iter()
+            .filter(move |m| m.key == key)
+            .filter_map(|m| self.text.get(m.value.clone()))
+    }
+
     /// The value text of the last member named `key` (the one JSON parsers keep).
     pub fn last_value(&self, key: &str) -> Option<&'a [u8]> {
         self.members

@@ -999,6 +999,47 @@ async fn vllms_generation_paths_left_out_of_paths_never_pass_on_client_kv() {
     run_cases_then_still_serves(cases, "stripping").await;
 }
 
+/// vLLM's parser keeps the last copy of a member, but a parser between the gateway and vLLM
+/// may keep the first: a client's kv_transfer_params in any copy of `vllm_xargs`,
+/// `sampling_params` or its `extra_args` are refused, on orchestrated and stripped paths.
+#[tokio::test]
+async fn client_kv_in_a_dropped_copy_of_a_nested_member_reaches_no_worker() {
+    let mut cases = Vec::new();
+    for (listener, path, body) in [
+        (
+            "default",
+            "/v1/completions",
+            format!(
+                r#"{{"prompt":"hi","vllm_xargs":{{"kv_transfer_params":{CLIENT_KV}}},"vllm_xargs":{{}}}}"#
+            ),
+        ),
+        (
+            "default",
+            "/inference/v1/generate",
+            format!(
+                r#"{{"token_ids":[1],"sampling_params":{{"extra_args":{{"kv_transfer_params":{CLIENT_KV}}},"extra_args":{{}}}}}}"#
+            ),
+        ),
+        (
+            "stripping",
+            "/v1/messages",
+            format!(
+                r#"{{"max_tokens":3,"messages":[],"vllm_xargs":{{"kv_transfer_params":{CLIENT_KV}}},"vllm_xargs":{{}}}}"#
+            ),
+        ),
+    ] {
+        cases.push(case(path, async move {
+            let id = unique_id("dropped-copy");
+            let reply = post_json(listener, path, &id, body).await;
+            assert_envoy_alive();
+            reply.assert_error(400, "kv_transfer_params are set by the gateway");
+            assert!(prefilled(&id).is_empty(), "{path}");
+            assert!(decoded(&id).is_empty(), "{path}");
+        }));
+    }
+    run_cases_then_still_serves(cases, "default").await;
+}
+
 #[tokio::test]
 async fn a_stripped_path_never_passes_on_a_body_the_filter_cannot_read() {
     let mut cases = Vec::new();

@@ -226,7 +226,7 @@ pub fn prepare_with(
     };
     let object = parse_body(json_text(body, json_start))?;
     let sampling_params = sampling_params(&object);
-    refuse_nested_kv_transfer_params(&object, sampling_params.as_ref())?;
+    refuse_nested_kv_transfer_params(&object)?;
     refuse_kv_transfer_params_vllm_refuses(&object)?;
     let asks_prompt_logprobs =
         matches!(api, Api::Completions | Api::ChatCompletions) && object.is_set("prompt_logprobs");
@@ -390,7 +390,7 @@ pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientEr
     };
     let text = json_text(body, json_start);
     let object = parse_body(text)?;
-    refuse_nested_kv_transfer_params(&object, sampling_params(&object).as_ref())?;
+    refuse_nested_kv_transfer_params(&object)?;
     if !object.has(KV_TRANSFER_PARAMS) {
         return Ok(None);
     }
@@ -400,21 +400,22 @@ pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientEr
 
 /// vLLM also takes `kv_transfer_params` from `vllm_xargs` (merged over the request's own)
 /// and, on the tokens-in API, from `sampling_params` and its `extra_args`. Those are the
-/// filter's to set, never the client's: a request that sets them there is refused.
-/// `sampling_params`: the request's, read as an object.
-fn refuse_nested_kv_transfer_params(
-    object: &JsonObject,
-    sampling_params: Option<&JsonObject>,
-) -> Result<(), ClientError> {
-    let sets_kv = |value: Option<&[u8]>| {
-        value
-            .and_then(|text| JsonObject::parse(text).ok())
-            .is_some_and(|inner| inner.has(KV_TRANSFER_PARAMS))
+/// filter's to set, never the client's: a request that sets them there is refused, in any
+/// copy of those members, the ones vLLM's parser drops included (a parser between the gateway
+/// and vLLM that keeps the first copy would read them).
+fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientError> {
+    let sets_kv = |outer: &JsonObject, key: &str| {
+        outer
+            .values(key)
+            .filter_map(|text| JsonObject::parse(text).ok())
+            .any(|inner| inner.has(KV_TRANSFER_PARAMS))
     };
-    let nested = sets_kv(object.last_value("vllm_xargs"))
-        || sampling_params.is_some_and(|params| {
-            params.has(KV_TRANSFER_PARAMS) || sets_kv(params.last_value("extra_args"))
-        });
+    let nested = sets_kv(object, "vllm_xargs")
+        || sets_kv(object, "sampling_params")
+        || object
+            .values("sampling_params")
+            .filter_map(|text| JsonObject::parse(text).ok())
+            .any(|params| sets_kv(&params, "extra_args"));
     if nested {
         Err(ClientError::bad_request(
             "kv_transfer_params are set by the gateway; they must not appear in vllm_xargs, \
@@ -1749,6 +1750,12 @@ mod tests {
             r#"{"prompt":"x","vllm_xargs":{"kv_transfer_params":"s"}}"#,
             r#"{"prompt":"x","sampling_params":{"kv_transfer_params":{}}}"#,
             r#"{"token_ids":[1],"sampling_params":{"extra_args":{"kv_transfer_params":{}}}}"#,
+            // In a copy JSON parsers drop, as a parser that keeps the first would not.
+            r#"{"prompt":"x","vllm_xargs":{"kv_transfer_params":{}},"vllm_xargs":{}}"#,
+            r#"{"prompt":"x","vllm_xargs":{"\u006bv_transfer_params":{}},"vllm_xargs":{}}"#,
+            r#"{"token_ids":[1],"sampling_params":{"kv_transfer_params":{}},"sampling_params":{}}"#,
+            r#"{"token_ids":[1],"sampling_params":{"extra_args":{"kv_transfer_params":1},"extra_args":{}}}"#,
+            r#"{"token_ids":[1],"sampling_params":{"extra_args":{"kv_transfer_params":1}},"sampling_params":{"extra_args":{}}}"#,
         ] {
             let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
             assert_eq!(error.status, 400);
