@@ -1466,6 +1466,15 @@ fn hardening_errors(config: &Value) -> Vec<String> {
                     .to_owned(),
             );
         }
+        let reset_alone =
+            &hcm["http2_protocol_options"]["override_stream_error_on_invalid_http_message"];
+        if reset_alone != true {
+            error(
+                "http2_protocol_options.override_stream_error_on_invalid_http_message is not \
+                 true: one malformed HTTP/2 request ends every stream on its connection"
+                    .to_owned(),
+            );
+        }
 
         if hcm["use_remote_address"] != true {
             error(
@@ -1933,6 +1942,16 @@ fn weakened_envoy_configs_are_caught() {
             "override_stream_error_on_invalid_http_message",
             |c| {
                 first_hcm(c)["http_protocol_options"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("override_stream_error_on_invalid_http_message");
+            },
+        ),
+        (
+            "HTTP/2 connections ended by one malformed stream",
+            "one malformed HTTP/2 request ends every stream",
+            |c| {
+                first_hcm(c)["http2_protocol_options"]
                     .as_object_mut()
                     .unwrap()
                     .remove("override_stream_error_on_invalid_http_message");
@@ -3646,6 +3665,95 @@ fn read_sized_answer(stream: &mut std::net::TcpStream) -> (String, String) {
 /// envoy/envoy.yaml as shipped keeps an HTTP/1.1 connection open after a 400 the filter
 /// answers, or prefill's that it passes on, as vLLM does, so that the client's next request
 /// goes on the same connection; malformed HTTP still closes it.
+/// An HTTP/2 request Envoy's codec refuses (a tab in its `:path`) resets its own stream, not
+/// the connection: the client's other streams on it, a P/D request among them, go on (Envoy
+/// otherwise ends the whole connection, and with it every stream a multiplexing client or a
+/// load balancer in front has on it).
+#[test]
+fn envoy_yaml_resets_only_a_malformed_http2_stream_in_envoy() {
+    use std::io::{Read, Write};
+    let (_runtime, _prefill, decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-h2-reset");
+    let frame = |kind: u8, flags: u8, stream: u32, payload: &[u8]| {
+        let mut out = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+        out.extend([kind, flags]);
+        out.extend(stream.to_be_bytes());
+        out.extend_from_slice(payload);
+        out
+    };
+    // HPACK literals without indexing, new names (every length here is below 127).
+    let header_block = |headers: &[(&str, &str)]| {
+        let mut out = Vec::new();
+        for (name, value) in headers {
+            out.push(0);
+            out.push(name.len() as u8);
+            out.extend_from_slice(name.as_bytes());
+            out.push(value.len() as u8);
+            out.extend_from_slice(value.as_bytes());
+        }
+        out
+    };
+    let request = |path: &str, length: usize| {
+        header_block(&[
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":authority", "localhost"),
+            (":path", path),
+            ("content-type", "application/json"),
+            ("content-length", &length.to_string()),
+        ])
+    };
+    const HEADERS: u8 = 1;
+    const DATA: u8 = 0;
+    const END_STREAM: u8 = 1;
+    const END_HEADERS: u8 = 4;
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(frame(4, 0, 0, &[]));
+    out.extend(frame(
+        HEADERS,
+        END_HEADERS,
+        1,
+        &request("/v1/comp\tletions", 2),
+    ));
+    out.extend(frame(DATA, END_STREAM, 1, b"{}"));
+    out.extend(frame(
+        HEADERS,
+        END_HEADERS,
+        3,
+        &request("/v1/completions", COMPLETION_BODY.len()),
+    ));
+    out.extend(frame(DATA, END_STREAM, 3, COMPLETION_BODY.as_bytes()));
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", envoy.port)).expect("connect");
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("timeout");
+    stream.write_all(&out).expect("send");
+    let (mut reset_first, mut answered_second) = (false, false);
+    let mut head = [0u8; 9];
+    while !(reset_first && answered_second) {
+        if stream.read_exact(&mut head).is_err() {
+            panic!("the connection ended: first stream reset {reset_first}, second answered {answered_second}");
+        }
+        let length = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let (kind, flags) = (head[3], head[4]);
+        let id = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        let mut payload = vec![0u8; length];
+        stream.read_exact(&mut payload).expect("a frame's payload");
+        match (kind, id) {
+            (4, 0) if flags & 1 == 0 => stream.write_all(&frame(4, 1, 0, &[])).expect("ack"),
+            (7, _) => panic!("GOAWAY: {payload:?}"),
+            (3, 1) => reset_first = true,
+            (HEADERS, 3) => answered_second = true,
+            (HEADERS, 1) => panic!("the malformed stream was answered"),
+            _ => {}
+        }
+    }
+    let served = decode.requests();
+    assert!(
+        served.iter().any(|r| r.path == "/v1/completions"),
+        "{served:?}"
+    );
+}
+
 #[test]
 fn envoy_yaml_keeps_a_connection_after_a_refused_request_in_envoy() {
     use std::io::{Read, Write};
