@@ -598,14 +598,15 @@ fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
     params.splice(edit, &append).write(params.text(), b"")
 }
 
-/// Whether prefill's copy asks for `min_tokens: 1`. vLLM's KV connectors hand the prompt's KV
-/// over only when the answer ended at its length limit: a first token that is the end of
-/// sequence (or one of `stop_token_ids`) ends it as stopped, its KV is freed and decode has
-/// to compute the whole prompt again. `min_tokens: 1` keeps those tokens from being sampled
-/// for the one token prefill makes (decode samples its own). Only where vLLM reads the field
-/// in every version: completions, chat and the tokens-in API's `sampling_params`.
+/// Whether prefill's copy asks for `min_tokens: 1` at its top level. vLLM's KV connectors
+/// hand the prompt's KV over only when the answer ended at its length limit: a first token
+/// that is the end of sequence (or one of `stop_token_ids`) ends it as stopped, its KV is
+/// freed and decode has to compute the whole prompt again. `min_tokens: 1` keeps those tokens
+/// from being sampled for the one token prefill makes (decode samples its own). Only where
+/// vLLM reads the field in every version: completions and chat here, and the tokens-in API's
+/// `sampling_params` ([`one_token_sampling_params`]).
 fn holds_off_a_stop(api: Api) -> bool {
-    matches!(api, Api::Completions | Api::ChatCompletions | Api::Generate)
+    matches!(api, Api::Completions | Api::ChatCompletions)
 }
 
 /// Whether a JSON value is true to Python (`bool(value)`), as vLLM's checks of the raw
@@ -764,7 +765,7 @@ fn one_token_splice(
         // A stored prefill answer (one token) would never be read, and never freed.
         "store" if api == Api::Responses => Edit::Replace(b"false"),
         KV_TRANSFER_PARAMS => kv,
-        "min_tokens" if api != Api::Generate && holds_off_a_stop(api) => Edit::Replace(ONE),
+        "min_tokens" if holds_off_a_stop(api) => Edit::Replace(ONE),
         "min_tokens" | "min_completion_tokens" | "stream_options" => Edit::Remove,
         "prompt_logprobs" if drops_prompt_logprobs => Edit::Remove,
         _ => Edit::Keep,
@@ -783,7 +784,7 @@ fn one_token_splice(
     if api == Api::Responses && !object.has("store") {
         append.push(("store", Edit::Replace(b"false")));
     }
-    if api != Api::Generate && holds_off_a_stop(api) && !object.has("min_tokens") {
+    if holds_off_a_stop(api) && !object.has("min_tokens") {
         append.push(("min_tokens", Edit::Replace(ONE)));
     }
     if !object.has("stream") {
