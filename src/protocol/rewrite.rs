@@ -411,11 +411,10 @@ fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientErr
             .any(|inner| inner.has(KV_TRANSFER_PARAMS))
     };
     let nested = sets_kv(object, "vllm_xargs")
-        || sets_kv(object, "sampling_params")
         || object
             .values("sampling_params")
             .filter_map(|text| JsonObject::parse(text).ok())
-            .any(|params| sets_kv(&params, "extra_args"));
+            .any(|params| params.has(KV_TRANSFER_PARAMS) || sets_kv(&params, "extra_args"));
     if nested {
         Err(ClientError::bad_request(
             "kv_transfer_params are set by the gateway; they must not appear in vllm_xargs, \
@@ -1769,6 +1768,18 @@ mod tests {
         }
         let fine = r#"{"prompt":"x","vllm_xargs":{"k":1},"sampling_params":{"extra_args":{}}}"#;
         assert!(prepare(Api::Completions, fine.as_bytes()).is_ok());
+        // Every copy is read once: a body of many copies costs its length, and the one
+        // that sets them is found wherever it is.
+        let copies = r#","vllm_xargs":{"a":[1,{"b":2}]}"#.repeat(50_000);
+        let many = format!(r#"{{"prompt":"x"{copies}}}"#);
+        assert!(prepare(Api::Completions, many.as_bytes()).is_ok());
+        let hidden = format!(r#"{{"prompt":"x","vllm_xargs":{{"kv_transfer_params":1}}{copies}}}"#);
+        assert_eq!(
+            prepare(Api::Completions, hidden.as_bytes())
+                .unwrap_err()
+                .status,
+            400
+        );
     }
 
     #[test]
