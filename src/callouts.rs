@@ -66,6 +66,24 @@ pub enum NotKept {
     PastLease,
 }
 
+/// Why a release that failed will not be sent again.
+#[derive(Debug, PartialEq, Eq)]
+pub enum NoRetry {
+    /// It was the last attempt.
+    AttemptsUsed,
+    /// It is larger than the VM's budget has room to keep.
+    TooLargeToKeep,
+}
+
+impl NoRetry {
+    pub fn reason(&self) -> &'static str {
+        match self {
+            NoRetry::AttemptsUsed => "no attempt left",
+            NoRetry::TooLargeToKeep => "it is too large to keep within max_vm_held_bytes",
+        }
+    }
+}
+
 /// A release to send again if decode could not be reached.
 pub struct Retry {
     call: HttpCall,
@@ -242,35 +260,33 @@ impl<R> Callouts<R> {
             .map(|(call, attempt, _)| (call, attempt))
     }
 
-    /// The release whose slot was taken went out with `token`, or (`None`) could not, at
-    /// `attempt`. One Envoy refused at once (a full decode pool, no healthy host) is
-    /// returned, to be sent again while attempts are left.
-    pub fn release_sent(
-        &mut self,
-        token: Option<u32>,
-        call: &HttpCall,
-        attempt: Attempt,
-    ) -> Option<Retry> {
-        let kept = (attempt.number < RELEASE_ATTEMPTS)
-            .then(|| self.keep(call))
-            .flatten();
-        let retry = kept.map(|kept| Retry {
+    /// The release whose slot was taken went out with `token`, at `attempt`; kept to be sent
+    /// again should decode not be reached, while attempts are left and it can be kept.
+    pub fn release_went_out(&mut self, token: u32, call: &HttpCall, attempt: Attempt) {
+        let request_id = call.request_id().to_owned();
+        let retry = self.retry_for(call, attempt).ok();
+        self.calls
+            .insert(token, Caller::Release { request_id, retry });
+    }
+
+    /// The release whose slot was taken could not go out at `attempt` (Envoy refused it at
+    /// once: a full decode pool, no healthy host): its slot is given back, and it is returned
+    /// to be sent again, or why it cannot be.
+    pub fn release_refused(&mut self, call: &HttpCall, attempt: Attempt) -> Result<Retry, NoRetry> {
+        self.releases.finish();
+        self.retry_for(call, attempt)
+    }
+
+    fn retry_for(&self, call: &HttpCall, attempt: Attempt) -> Result<Retry, NoRetry> {
+        if attempt.number >= RELEASE_ATTEMPTS {
+            return Err(NoRetry::AttemptsUsed);
+        }
+        let kept = self.keep(call).ok_or(NoRetry::TooLargeToKeep)?;
+        Ok(Retry {
             call: call.clone(),
             attempt,
             _kept: kept,
-        });
-        match token {
-            Some(token) => {
-                let request_id = call.request_id().to_owned();
-                self.calls
-                    .insert(token, Caller::Release { request_id, retry });
-                None
-            }
-            None => {
-                self.releases.finish();
-                retry
-            }
-        }
+        })
     }
 
     /// Whose answer `token` is; a release's slot is given back.
@@ -390,7 +406,7 @@ mod tests {
         let mut callouts: Callouts<&str> = Callouts::default();
         callouts.set_release_bound(1, HeldBytes::new(0));
         assert!(callouts.start_release());
-        callouts.release_sent(Some(3), &call(), first());
+        callouts.release_went_out(3, &call(), first());
         assert!(!callouts.start_release(), "the bound is reached");
         let Some(Caller::Release { request_id, .. }) = callouts.answered(3) else {
             panic!("a release's answer");
@@ -398,14 +414,17 @@ mod tests {
         assert_eq!(request_id, "req-9", "the request its log lines name");
         assert!(callouts.start_release(), "the slot came back");
         assert!(
-            callouts.release_sent(None, &call(), first()).is_some(),
+            callouts.release_refused(&call(), first()).is_ok(),
             "one Envoy refused at once is sent again"
         );
         assert!(
             callouts.start_release(),
             "a release that never went out frees its slot"
         );
-        assert!(callouts.release_sent(None, &call(), last()).is_none());
+        assert_eq!(
+            callouts.release_refused(&call(), last()).err(),
+            Some(NoRetry::AttemptsUsed)
+        );
     }
 
     #[test]
@@ -422,13 +441,17 @@ mod tests {
         let mut callouts: Callouts<&str> = Callouts::default();
         callouts.set_release_bound(1, held.clone());
         assert!(callouts.wait_for_slot(heavy.clone(), first()));
-        let retry = callouts.release_sent(None, &heavy, first()).unwrap();
+        let retry = callouts.release_refused(&heavy, first()).unwrap();
         assert_eq!(held.held(), 2 * size);
         assert!(
             !callouts.wait_for_slot(heavy.clone(), first()),
             "the budget is full"
         );
-        assert!(callouts.release_sent(None, &heavy, first()).is_none());
+        assert_eq!(
+            callouts.release_refused(&heavy, first()).err(),
+            Some(NoRetry::TooLargeToKeep),
+            "not the last attempt, but no room"
+        );
         assert!(
             callouts.wait_for_slot(call(), first()),
             "a small one still waits"
@@ -444,7 +467,7 @@ mod tests {
         let mut callouts: Callouts<&str> = Callouts::default();
         callouts.set_release_bound(1, HeldBytes::new(0));
         assert!(callouts.start_release());
-        callouts.release_sent(Some(1), &call(), first());
+        callouts.release_went_out(1, &call(), first());
         assert!(!callouts.start_release());
         let named = |cluster: &str| HttpCall {
             cluster: cluster.into(),
@@ -465,7 +488,7 @@ mod tests {
             callouts.next_waiting_release().is_none(),
             "its slot is taken"
         );
-        callouts.release_sent(Some(2), &first, attempt);
+        callouts.release_went_out(2, &first, attempt);
         callouts.answered(2);
         assert_eq!(&*callouts.next_waiting_release().unwrap().0.cluster, "1");
     }
@@ -492,7 +515,7 @@ mod tests {
         let clusters: Vec<&str> = expired.iter().map(|call| &*call.cluster).collect();
         assert_eq!(clusters, ["old"]);
         assert_eq!(held.held(), 0, "what it kept in the VM is given back");
-        callouts.release_sent(None, &call(), last());
+        let _ = callouts.release_refused(&call(), last());
         let (next, _) = callouts.next_waiting_release().unwrap();
         assert_eq!(&*next.cluster, "recent");
     }
@@ -508,7 +531,7 @@ mod tests {
             panic!("the release");
         };
         assert!(callouts.start_release());
-        callouts.release_sent(Some(4), &release, first());
+        callouts.release_went_out(4, &release, first());
         assert!(!callouts.is_idle(), "in flight");
         let Some(Caller::Release {
             retry: Some(retry), ..
@@ -527,7 +550,7 @@ mod tests {
             callouts.expire_waiting(T0 + Duration::from_secs(31)).len(),
             1
         );
-        callouts.release_sent(None, &call(), last());
+        let _ = callouts.release_refused(&call(), last());
         assert!(callouts.is_idle());
     }
 
@@ -552,7 +575,7 @@ mod tests {
         let expired = callouts.expire_waiting(at(31));
         let clusters: Vec<&str> = expired.iter().map(|call| &*call.cluster).collect();
         assert_eq!(clusters, ["retried"], "though it waited 1 s only");
-        callouts.release_sent(None, &call(), last());
+        let _ = callouts.release_refused(&call(), last());
         assert_eq!(&*callouts.next_waiting_release().unwrap().0.cluster, "new");
     }
 
@@ -566,7 +589,7 @@ mod tests {
         let mut now = start;
         loop {
             assert!(callouts.start_release());
-            callouts.release_sent(Some(9), &call(), attempt);
+            callouts.release_went_out(9, &call(), attempt);
             let Some(Caller::Release { retry, .. }) = callouts.answered(9) else {
                 panic!("a release");
             };
@@ -593,7 +616,7 @@ mod tests {
 
         // One whose attempts took long (each up to its timeout) is not sent past the lease.
         assert!(callouts.start_release());
-        callouts.release_sent(Some(8), &call(), Attempt::first(start));
+        callouts.release_went_out(8, &call(), Attempt::first(start));
         let Some(Caller::Release {
             retry: Some(retry), ..
         }) = callouts.answered(8)
@@ -607,14 +630,14 @@ mod tests {
             body: vec![b'x'; SMALL_RELEASE_BYTES + 1],
             ..call()
         };
-        callouts.release_sent(Some(1), &large, first());
+        callouts.release_went_out(1, &large, first());
         assert!(matches!(
             callouts.answered(1),
             Some(Caller::Release { retry: None, .. })
         ));
         let bound = 2 * WAITING_PER_SLOT as u32;
         for n in 0..bound + 1 {
-            callouts.release_sent(Some(n), &call(), Attempt::first(start));
+            callouts.release_went_out(n, &call(), Attempt::first(start));
             let Some(Caller::Release {
                 retry: Some(retry), ..
             }) = callouts.answered(n)

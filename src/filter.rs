@@ -1,8 +1,7 @@
 //! The adapter to the proxy-wasm host: it turns host callbacks into [`Session`] events and
 //! the session's commands into host calls, and decides nothing itself. Host calls go through
 //! [`host`], where a refusal is a value, apart from sending a call (the SDK's, which must see
-//! its token) and the SDK's logger (which panics only if Envoy refuses a log line); a reset
-//! callout's headers come as an empty list.
+//! its token); a reset callout's headers come as an empty list.
 //!
 //! Callouts belong to the worker's root context, not to the request: the SDK delivers an
 //! answer only to the context that sent the call, and a request's context is gone once its
@@ -434,41 +433,40 @@ impl Worker {
 
     /// Sends a release whose slot is taken; whether it went out.
     fn send_release(&self, call: &HttpCall, attempt: Attempt) -> bool {
-        let sent = self.try_dispatch(call);
-        let retry = self
-            .callouts
-            .borrow_mut()
-            .release_sent(sent.ok(), call, attempt);
-        match sent {
-            Ok(_) => return true,
-            Err(status) => {
-                // Sent again later either way: a cluster Envoy does not have may be one a
-                // dynamic configuration is replacing for a few seconds.
-                let why = if status == Status::BadArgument {
-                    "Envoy has no such cluster (decode_cluster, model_decode_clusters)"
-                } else {
-                    // Decode's pool full or without a healthy host, for the release as for
-                    // the request it follows.
-                    "its pool is full or has no healthy host"
-                };
+        let status = match self.try_dispatch(call) {
+            Ok(token) => {
+                self.callouts
+                    .borrow_mut()
+                    .release_went_out(token, call, attempt);
+                return true;
+            }
+            Err(status) => status,
+        };
+        // Sent again later either way: a cluster Envoy does not have may be one a dynamic
+        // configuration is replacing for a few seconds.
+        let why = if status == Status::BadArgument {
+            "Envoy has no such cluster (decode_cluster, model_decode_clusters)"
+        } else {
+            // Decode's pool full or without a healthy host, for the release as for the
+            // request it follows.
+            "its pool is full or has no healthy host"
+        };
+        log::warn!(
+            "[{}] KV release to cluster {:?} refused by Envoy at once (attempt {}): {why}",
+            call.request_id(),
+            call.cluster,
+            attempt.number
+        );
+        let retry = self.callouts.borrow_mut().release_refused(call, attempt);
+        match retry {
+            Ok(retry) => self.release_unreached(retry),
+            Err(no_retry) => {
                 log::warn!(
-                    "[{}] KV release to cluster {:?} refused by Envoy at once (attempt {}): \
-                     {why}",
+                    "[{}] KV release failed: {}; prefill keeps the KV until its own timeout",
                     call.request_id(),
-                    call.cluster,
-                    attempt.number
+                    no_retry.reason()
                 );
-                match retry {
-                    Some(retry) => self.release_unreached(retry),
-                    None => {
-                        log::warn!(
-                            "[{}] KV release failed: no attempt left; prefill keeps the KV \
-                             until its own timeout",
-                            call.request_id()
-                        );
-                        self.record(Metric::KvReleaseFailed);
-                    }
-                }
+                self.record(Metric::KvReleaseFailed);
             }
         }
         false

@@ -2,17 +2,18 @@
 //! `hostcalls` wrappers panic on any status they do not expect (and a panic kills the VM for
 //! every later request), while Envoy refuses calls in states a client can bring about: a body
 //! or header written after the stream moved on, a local reply after the answer began. Here
-//! every refusal is a value, the host's status. Only `dispatch_http_call` stays the SDK's:
-//! the SDK must see each call's token to route its answer.
+//! every refusal is a value, the host's status, logging included. Only `dispatch_http_call`
+//! stays the SDK's: the SDK must see each call's token to route its answer.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use proxy_wasm::types::{BufferType, MapType, MetricType, StreamType};
+use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, StreamType};
 
 use crate::headers::HeaderMap;
 
 #[link(wasm_import_module = "env")]
 extern "C" {
+    fn proxy_log(level: LogLevel, message_data: *const u8, message_size: usize) -> u32;
     fn proxy_get_header_map_pairs(
         map_type: MapType,
         return_data: *mut *mut u8,
@@ -112,6 +113,11 @@ extern "C" {
         value: *const u8,
         value_size: usize,
     ) -> u32;
+}
+
+/// Writes a line to Envoy's log.
+pub fn log(level: LogLevel, message: &str) -> Result<(), u32> {
+    result(unsafe { proxy_log(level, message.as_ptr(), message.len()) })
 }
 
 /// The host's status: 0 is Ok, anything else a refusal.

@@ -556,7 +556,7 @@ fn is_special(byte: u8) -> bool {
 /// where the target has it, [`special_mask_bytewise`] otherwise.
 pub fn special_mask(bytes: &[u8], at: usize) -> u64 {
     match bytes.get(at..at + 64) {
-        Some(block) => simd::special_mask(block),
+        Some(block) => special_mask_64(block),
         None => {
             // The end of the document: pad with plain bytes.
             let mut block = [b'a'; 64];
@@ -564,9 +564,20 @@ pub fn special_mask(bytes: &[u8], at: usize) -> u64 {
             if let Some(head) = block.get_mut(..rest.len()) {
                 head.copy_from_slice(rest);
             }
-            simd::special_mask(&block)
+            special_mask_64(&block)
         }
     }
+}
+
+/// The mask of a block of 64 bytes, sixteen at a time.
+fn special_mask_64(block: &[u8]) -> u64 {
+    block
+        .chunks_exact(16)
+        .take(4)
+        .enumerate()
+        .fold(0, |mask, (i, chunk)| {
+            mask | u64::from(simd::special_mask_16(chunk)) << (16 * i)
+        })
 }
 
 /// [`special_mask`] a byte at a time: the portable path, and the reference the SIMD paths are
@@ -581,7 +592,7 @@ pub fn special_mask_bytewise(bytes: &[u8], at: usize) -> u64 {
         .fold(0, |mask, (i, _)| mask | 1 << i)
 }
 
-/// [`special_mask`] of exactly 64 bytes, sixteen at a time: compare with `"` and `\\`, and a
+/// [`special_mask`] of 16 bytes: compare with `"` and `\\`, and a
 /// signed compare below 0x20, which catches the control bytes (0x00 to 0x1f) and the
 /// non-ASCII ones (0x80 to 0xff, negative as signed bytes) at once.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
@@ -589,14 +600,6 @@ mod simd {
     use core::arch::wasm32::{
         i8x16_bitmask, i8x16_eq, i8x16_lt, i8x16_splat, v128, v128_load, v128_or,
     };
-
-    pub fn special_mask(block: &[u8]) -> u64 {
-        let mut mask = 0u64;
-        for (i, chunk) in block.chunks_exact(16).take(4).enumerate() {
-            mask |= u64::from(special_mask_16(chunk)) << (16 * i);
-        }
-        mask
-    }
 
     /// The mask of the first 16 bytes of `chunk`, which has at least 16.
     pub fn special_mask_16(chunk: &[u8]) -> u16 {
@@ -622,14 +625,6 @@ mod simd {
         __m128i, _mm_cmpeq_epi8, _mm_cmplt_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128,
         _mm_set1_epi8,
     };
-
-    pub fn special_mask(block: &[u8]) -> u64 {
-        let mut mask = 0u64;
-        for (i, chunk) in block.chunks_exact(16).take(4).enumerate() {
-            mask |= u64::from(special_mask_16(chunk)) << (16 * i);
-        }
-        mask
-    }
 
     /// The mask of the first 16 bytes of `chunk`, which has at least 16.
     pub fn special_mask_16(chunk: &[u8]) -> u16 {
@@ -658,10 +653,6 @@ mod simd {
     target_arch = "x86_64"
 )))]
 mod simd {
-    pub fn special_mask(block: &[u8]) -> u64 {
-        super::special_mask_bytewise(block, 0)
-    }
-
     pub fn special_mask_16(chunk: &[u8]) -> u16 {
         super::special_mask_bytewise(chunk.get(..16).unwrap_or_default(), 0) as u16
     }

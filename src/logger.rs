@@ -5,7 +5,6 @@
 use std::cell::RefCell;
 use std::time::UNIX_EPOCH;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::LogLevel;
 
 use crate::host;
@@ -24,7 +23,7 @@ pub fn install(level: LogLevel) {
     // Only the first call can succeed; a later one changes nothing.
     let _ = log::set_logger(&LOGGER);
     std::panic::set_hook(Box::new(|panic| {
-        let _ = hostcalls::log(LogLevel::Critical, &panic.to_string());
+        let _ = host::log(LogLevel::Critical, &panic.to_string());
     }));
     set_level(level);
 }
@@ -82,7 +81,7 @@ impl log::Log for HostLogger {
             match admission {
                 Admission::Drop => return,
                 Admission::Write { not_written_before } if not_written_before > 0 => {
-                    let _ = hostcalls::log(
+                    let _ = host::log(
                         LogLevel::Warn,
                         &format!(
                             "pd-filter: {not_written_before} log lines not written \
@@ -93,7 +92,7 @@ impl log::Log for HostLogger {
                 Admission::Write { .. } => {}
             }
         }
-        let _ = hostcalls::log(level, &record.args().to_string());
+        let _ = host::log(level, &record.args().to_string());
     }
 
     fn flush(&self) {}

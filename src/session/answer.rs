@@ -342,7 +342,7 @@ impl Session {
                 commands.push(Command::ReplaceResponseBody {
                     body: held,
                     replaced_len: 0,
-                    announce_length: headers_held,
+                    announce_length: false,
                 });
             }
         }

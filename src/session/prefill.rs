@@ -267,7 +267,8 @@ impl Session {
                     self.request_id,
                     prefill.cluster
                 );
-                // Not retried: the cluster is missing, another attempt would fail the same way.
+                // Not retried: Envoy refused it at once (no such cluster, no healthy host, a
+                // full pool), which the client is told at once (503).
                 let failure = PrefillFailure::not_dispatched(&prefill.cluster);
                 self.give_up(prefill, &failure, now)
             }
