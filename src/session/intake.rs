@@ -176,44 +176,8 @@ impl Session {
                 }
             }
         }
-        // The decode body differs from the client's: let Envoy frame it.
-        commands.push(Command::RemoveRequestHeader("content-length".to_owned()));
-        // Decode's answer may get prefill's usage and prompt logprobs, which a compressed
-        // answer could not: decode is asked for a plain one (without the header any coding
-        // is acceptable, RFC 9110, and a proxy in front of decode may compress).
-        commands.push(Command::SetRequestHeader {
-            name: "accept-encoding".to_owned(),
-            value: "identity".to_owned(),
-        });
-        // vLLM refuses any media type but exactly `application/json` (a missing one too),
-        // where the filter also takes `+json` types and no content-type at all: decode would
-        // refuse, after prefill's work, a request prefill (called with `application/json`)
-        // served. Decode gets the body the filter read as JSON, labelled as prefill's is.
-        if !is_vllm_json(headers.text("content-type")) {
-            commands.push(Command::SetRequestHeader {
-                name: "content-type".to_owned(),
-                value: "application/json".to_owned(),
-            });
-        }
-
-        let authority = headers
-            .text(":authority")
-            .unwrap_or(&config.prefill_cluster);
-        let mut prefill_headers = vec![
-            (":method".to_owned(), "POST".to_owned()),
-            (":path".to_owned(), path),
-            (":authority".to_owned(), authority.to_owned()),
-            ("content-type".to_owned(), "application/json".to_owned()),
-            // Without it any coding is acceptable (RFC 9110), and a proxy in front of
-            // prefill may compress an answer the filter must read.
-            ("accept-encoding".to_owned(), "identity".to_owned()),
-            ("x-request-id".to_owned(), self.request_id.clone()),
-        ];
-        for name in &config.forward_headers {
-            if let Some(value) = headers.text(name) {
-                prefill_headers.push((name.clone(), value.to_owned()));
-            }
-        }
+        commands.extend(decode_header_rewrites(headers));
+        let prefill_headers = self.prefill_headers(headers, path);
         self.state = State::Buffering(Pending {
             api,
             prefill_headers,
@@ -420,4 +384,58 @@ impl Session {
         let step = self.answer_after_upload(step, 0, true);
         Some(self.headers_step(step))
     }
+
+    /// The headers of prefill's call: the filter's own, and those of the client's that
+    /// `forward_headers` names.
+    fn prefill_headers<H: HeaderLookup + ?Sized>(
+        &self,
+        headers: &H,
+        path: String,
+    ) -> Vec<(String, String)> {
+        let authority = headers
+            .text(":authority")
+            .unwrap_or(&self.config.prefill_cluster);
+        let mut prefill_headers = vec![
+            (":method".to_owned(), "POST".to_owned()),
+            (":path".to_owned(), path),
+            (":authority".to_owned(), authority.to_owned()),
+            ("content-type".to_owned(), "application/json".to_owned()),
+            // Without it any coding is acceptable (RFC 9110), and a proxy in front of
+            // prefill may compress an answer the filter must read.
+            ("accept-encoding".to_owned(), "identity".to_owned()),
+            ("x-request-id".to_owned(), self.request_id.clone()),
+        ];
+        for name in &self.config.forward_headers {
+            if let Some(value) = headers.text(name) {
+                prefill_headers.push((name.clone(), value.to_owned()));
+            }
+        }
+        prefill_headers
+    }
+}
+
+/// What decode's copy of an orchestrated request's headers needs changed.
+fn decode_header_rewrites<H: HeaderLookup + ?Sized>(headers: &H) -> Vec<Command> {
+    let mut commands = vec![
+        // The decode body differs from the client's: let Envoy frame it.
+        Command::RemoveRequestHeader("content-length".to_owned()),
+        // Decode's answer may get prefill's usage and prompt logprobs, which a compressed
+        // answer could not: decode is asked for a plain one (without the header any coding
+        // is acceptable, RFC 9110, and a proxy in front of decode may compress).
+        Command::SetRequestHeader {
+            name: "accept-encoding".to_owned(),
+            value: "identity".to_owned(),
+        },
+    ];
+    // vLLM refuses any media type but exactly `application/json` (a missing one too),
+    // where the filter also takes `+json` types and no content-type at all: decode would
+    // refuse, after prefill's work, a request prefill (called with `application/json`)
+    // served. Decode gets the body the filter read as JSON, labelled as prefill's is.
+    if !is_vllm_json(headers.text("content-type")) {
+        commands.push(Command::SetRequestHeader {
+            name: "content-type".to_owned(),
+            value: "application/json".to_owned(),
+        });
+    }
+    commands
 }
