@@ -1437,7 +1437,7 @@ async fn a_refused_upload_is_read_to_its_end_before_the_answer() {
                 &[("content-type", "text/plain")],
                 &[b' '; 2 * MIB],
             ),
-            415,
+            400,
         ),
         (
             "declared over the limit",

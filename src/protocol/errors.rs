@@ -109,12 +109,13 @@ impl ClientError {
         )
     }
 
-    pub fn unsupported_media_type(content_type: &str) -> ClientError {
+    /// A media type that is not JSON: 400 and vLLM's words, as vLLM answers it (older
+    /// releases answered 415), so that SDKs raise their bad-request error.
+    pub fn content_type_not_json(content_type: &str) -> ClientError {
         let shown: String = content_type.chars().take(64).collect();
-        ClientError::new(
-            415,
-            format!("content-type must be application/json, got {shown:?}"),
-        )
+        ClientError::bad_request(format!(
+            "Unsupported Media Type: Only 'application/json' is allowed (content-type {shown:?})"
+        ))
     }
 
     pub fn internal(message: impl Into<String>) -> ClientError {

@@ -43,7 +43,7 @@ pub fn check_content_type(content_type: Option<&str>) -> Result<(), ClientError>
     if is_json {
         Ok(())
     } else {
-        Err(ClientError::unsupported_media_type(value))
+        Err(ClientError::content_type_not_json(value))
     }
 }
 
@@ -1808,7 +1808,8 @@ mod tests {
         assert!(check_content_type(Some("Application/JSON; charset=utf-8")).is_ok());
         assert!(check_content_type(Some("application/vnd.api+json")).is_ok());
         let err = check_content_type(Some("application/x-www-form-urlencoded")).unwrap_err();
-        assert_eq!(err.status, 415);
+        assert_eq!(err.status, 400);
+        assert!(err.message.contains("Only 'application/json'"), "{}", err.message);
     }
 
     #[test]

@@ -334,7 +334,7 @@ fn bad_requests_are_answered_before_prefill() {
         &headers("POST", "/v1/completions", &[("content-type", "text/plain")]),
         false,
     );
-    assert_eq!(reply(&step.commands).0, 415);
+    assert_eq!(reply(&step.commands).0, 400);
 
     let mut s = session("");
     let step = s.on_request_headers(&post("/v1/completions"), true);
@@ -394,7 +394,7 @@ fn a_refused_upload_is_dropped_to_its_end_before_the_answer() {
     for (refused, status) in [
         (
             headers("POST", "/v1/completions", &[("content-type", "text/plain")]),
-            415,
+            400,
         ),
         (
             headers("POST", "/v1/completions", &[("content-length", "150")]),
@@ -459,7 +459,7 @@ fn a_refused_upload_is_dropped_to_its_end_before_the_answer() {
     // Envoy would not drop the upload: the answer goes out now.
     let mut s = session(HELD);
     s.on_request_headers(&declared_text_plain(), false);
-    assert_eq!(reply(&s.on_discard_failed()).0, 415);
+    assert_eq!(reply(&s.on_discard_failed()).0, 400);
 
     // A model header needs the headers held too.
     let mut s = session(r#"{"model_header":"x-pd-model","max_request_body_bytes":100}"#);
@@ -467,17 +467,17 @@ fn a_refused_upload_is_dropped_to_its_end_before_the_answer() {
     assert!(!has_reply(&step.commands), "{:?}", step.commands);
     assert_eq!(
         reply(&body_step(s.on_request_body(10, true)).commands).0,
-        415
+        400
     );
 
     // Headers Envoy cannot hold without the body (no `hold_request_headers`): answered at
     // once, as is a request whose body has ended.
     let mut s = session(r#"{"max_request_body_bytes":100}"#);
     let step = s.on_request_headers(&declared_text_plain(), false);
-    assert_eq!(reply(&step.commands).0, 415);
+    assert_eq!(reply(&step.commands).0, 400);
     let mut s = session(HELD);
     let step = s.on_request_headers(&declared_text_plain(), true);
-    assert_eq!(reply(&step.commands).0, 415);
+    assert_eq!(reply(&step.commands).0, 400);
 }
 
 fn declared_text_plain() -> Vec<(String, Vec<u8>)> {
@@ -1940,7 +1940,7 @@ fn the_filters_own_refusals_are_client_errors_of_their_api() {
     let mut s = session("");
     let wrong_type = headers("POST", "/v1/responses", &[("content-type", "text/plain")]);
     let step = s.on_request_headers(&wrong_type, false);
-    assert_eq!(reply(&step.commands).0, 415);
+    assert_eq!(reply(&step.commands).0, 400);
     assert_eq!(recorded(&step.commands), client_error(Api::Responses));
     // Refused with the body, before any prefill.
     let mut s = session("");
