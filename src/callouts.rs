@@ -66,6 +66,19 @@ pub enum NotKept {
     PastLease,
 }
 
+/// What becomes of an attempt at a release the worker is handed.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ReleaseStart {
+    /// Its slot is taken: send it now.
+    Send,
+    /// No slot is free: it waits for one.
+    Waits,
+    /// A later attempt that would come after vLLM 0.33's lease.
+    PastLease,
+    /// No slot is free and too many wait already, or it is larger than the VM may keep.
+    NoRoomToWait,
+}
+
 /// Why a release that failed will not be sent again.
 #[derive(Debug, PartialEq, Eq)]
 pub enum NoRetry {
@@ -211,14 +224,39 @@ impl<R> Callouts<R> {
         slots.saturating_mul(WAITING_PER_SLOT)
     }
 
+    /// An attempt at a release, made at `now`: sent, waiting, or dropped. Also the
+    /// releases that waited past the lease and are dropped now, so that they never take the
+    /// places of new ones.
+    pub fn begin_release(
+        &mut self,
+        call: &HttpCall,
+        attempt: Attempt,
+        now: SystemTime,
+    ) -> (ReleaseStart, Vec<HttpCall>) {
+        // A first attempt is made now; a later one may come too late.
+        if attempt.number > 1 && attempt.past_lease(now) {
+            return (ReleaseStart::PastLease, Vec::new());
+        }
+        if self.start_release() {
+            return (ReleaseStart::Send, Vec::new());
+        }
+        let expired = self.expire_waiting(now);
+        let start = if self.wait_for_slot(call.clone(), attempt) {
+            ReleaseStart::Waits
+        } else {
+            ReleaseStart::NoRoomToWait
+        };
+        (start, expired)
+    }
+
     /// Takes a slot for a release; `false` when the bound is reached.
-    pub fn start_release(&mut self) -> bool {
+    fn start_release(&mut self) -> bool {
         self.releases.try_start()
     }
 
     /// Keeps an attempt at a release that found no slot until one frees; `false` when too
     /// many already wait (it is dropped).
-    pub fn wait_for_slot(&mut self, call: HttpCall, attempt: Attempt) -> bool {
+    fn wait_for_slot(&mut self, call: HttpCall, attempt: Attempt) -> bool {
         if self.waiting.len() >= self.waiting_bound() {
             return false;
         }
@@ -491,6 +529,49 @@ mod tests {
         callouts.release_went_out(2, &first, attempt);
         callouts.answered(2);
         assert_eq!(&*callouts.next_waiting_release().unwrap().0.cluster, "1");
+    }
+
+    #[test]
+    fn an_attempt_is_sent_waits_or_is_dropped() {
+        let mut callouts: Callouts<&str> = Callouts::default();
+        callouts.set_release_bound(1, HeldBytes::new(0));
+        let named = |cluster: &str| HttpCall {
+            cluster: cluster.into(),
+            ..call()
+        };
+        let late = T0 + RELEASE_LEASE + Duration::from_secs(1);
+        let (start, expired) = callouts.begin_release(&call(), first(), T0);
+        assert_eq!((start, expired.len()), (ReleaseStart::Send, 0));
+        let (start, _) = callouts.begin_release(&named("stale"), first(), T0);
+        assert_eq!(start, ReleaseStart::Waits, "the one slot is taken");
+        let again = Attempt {
+            number: 2,
+            ..first()
+        };
+        let (start, _) = callouts.begin_release(&call(), again, late);
+        assert_eq!(
+            start,
+            ReleaseStart::PastLease,
+            "a later attempt past the lease"
+        );
+        let (start, expired) = callouts.begin_release(&named("new"), Attempt::first(late), late);
+        assert_eq!(
+            start,
+            ReleaseStart::Waits,
+            "a first attempt is never too late"
+        );
+        let expired: Vec<&str> = expired.iter().map(|call| &*call.cluster).collect();
+        assert_eq!(
+            expired,
+            ["stale"],
+            "dropped before it could take a new one's place"
+        );
+        for _ in 1..WAITING_PER_SLOT {
+            let (start, _) = callouts.begin_release(&call(), Attempt::first(late), late);
+            assert_eq!(start, ReleaseStart::Waits);
+        }
+        let (start, _) = callouts.begin_release(&call(), Attempt::first(late), late);
+        assert_eq!(start, ReleaseStart::NoRoomToWait);
     }
 
     #[test]

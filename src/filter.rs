@@ -36,7 +36,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Status};
 
 use crate::abandoned::AbandonedPrefills;
-use crate::callouts::{Attempt, Caller, Callouts, Job, NotKept, Retry};
+use crate::callouts::{Attempt, Caller, Callouts, Job, NotKept, ReleaseStart, Retry};
 use crate::config::Config;
 use crate::headers::HeaderLookup;
 use crate::held_bytes::HeldBytes;
@@ -374,19 +374,18 @@ impl Worker {
 
     /// Sends an attempt at a release, or keeps it until a release in flight has answered.
     fn dispatch_release(&self, call: &HttpCall, attempt: Attempt) {
-        // A first attempt is made now; a later one may come too late.
-        if attempt.number > 1 && attempt.past_lease(host::now().unwrap_or(UNIX_EPOCH)) {
+        let now = host::now().unwrap_or(UNIX_EPOCH);
+        let (start, expired) = self.callouts.borrow_mut().begin_release(call, attempt, now);
+        for call in &expired {
             self.release_past_lease(call);
-            return;
         }
-        if !self.callouts.borrow_mut().start_release() {
-            // Stale ones first: they must not take the places of new ones.
-            self.drop_expired_releases(host::now().unwrap_or(UNIX_EPOCH));
-            let waits = self
-                .callouts
-                .borrow_mut()
-                .wait_for_slot(call.clone(), attempt);
-            if !waits {
+        match start {
+            ReleaseStart::Send => {
+                let _ = self.send_release(call, attempt);
+            }
+            ReleaseStart::Waits => {}
+            ReleaseStart::PastLease => self.release_past_lease(call),
+            ReleaseStart::NoRoomToWait => {
                 log::warn!(
                     "[{}] KV release dropped: too many wait for a slot \
                      (max_kv_releases_in_flight), or it is larger than the VM may keep",
@@ -394,9 +393,7 @@ impl Worker {
                 );
                 self.record(Metric::KvReleaseDropped);
             }
-            return;
         }
-        let _ = self.send_release(call, attempt);
     }
 
     /// Sends the releases that waited for the slots now free. One Envoy refuses at once

@@ -1809,7 +1809,11 @@ mod tests {
         assert!(check_content_type(Some("application/vnd.api+json")).is_ok());
         let err = check_content_type(Some("application/x-www-form-urlencoded")).unwrap_err();
         assert_eq!(err.status, 400);
-        assert!(err.message.contains("Only 'application/json'"), "{}", err.message);
+        assert!(
+            err.message.contains("Only 'application/json'"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]
