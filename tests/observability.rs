@@ -226,6 +226,31 @@ async fn stats_logs_and_prefill_time_header() {
 /// differently) is counted and logged with both counts, streamed or not; the client's
 /// answer still goes, with prefill's counts.
 #[tokio::test]
+async fn a_client_that_leaves_during_its_upload_is_counted_as_abandoned() {
+    use tokio::io::AsyncWriteExt;
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let abandoned = requests("completions", "abandoned");
+    let before = h.counter(&abandoned);
+    for _ in 0..3 {
+        let mut client = tokio::net::TcpStream::connect(("127.0.0.1", h.port("default")))
+            .await
+            .unwrap();
+        let head = "POST /v1/completions HTTP/1.1\r\nhost: pd\r\n\
+                    content-type: application/json\r\ncontent-length: 100\r\n\r\n";
+        client.write_all(head.as_bytes()).await.unwrap();
+        client.write_all(br#"{"prompt":"never"#).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(client);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while h.counter(&abandoned) < before + 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(h.counter(&abandoned), before + 3, "each counted once");
+}
+
+#[tokio::test]
 async fn a_decode_that_counted_another_prompt_is_counted_and_logged() {
     let _serial = SERIAL.lock().await;
     let h = harness();

@@ -50,6 +50,8 @@ impl Session {
                 (State::Abandoned { prefill, token }, Some(api))
             }
             abandoned @ State::Abandoned { .. } => (abandoned, None),
+            // Its body never all came: no prefill ran, but it is counted as it ends.
+            State::Buffering(pending) => (State::Finished, Some(pending.api)),
             _ => (State::Finished, None),
         };
         self.state = state;

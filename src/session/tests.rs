@@ -603,6 +603,22 @@ fn answer_retrying(
 }
 
 #[test]
+fn a_client_that_leaves_during_its_upload_is_counted_once() {
+    let mut s = session("");
+    s.on_request_headers(&post("/v1/completions"), false);
+    let _ = s.on_request_body(10, false);
+    assert_eq!(
+        metrics(&s.on_stream_done()),
+        vec![Metric::Request(Api::Completions, Outcome::Abandoned)]
+    );
+    assert!(s.on_stream_done().is_empty());
+    // Not an orchestrated path: not counted among them.
+    let mut s = session("");
+    s.on_request_headers(&post("/v1/embeddings"), false);
+    assert!(metrics(&s.on_stream_done()).is_empty());
+}
+
+#[test]
 fn a_client_that_leaves_during_prefill_has_its_kv_released() {
     let mut s = prefilling("");
     assert_eq!(
