@@ -430,6 +430,89 @@ fn stripped_paths(configured: Vec<String>) -> Vec<String> {
     paths
 }
 
+/// The orchestrated paths, each once, with the API each names.
+fn orchestrated_paths(paths: Vec<String>) -> Result<Vec<OrchestratedPath>, ConfigError> {
+    if paths.is_empty() {
+        return Err(ConfigError("paths must list at least one path".into()));
+    }
+    let mut orchestrated_paths = Vec::with_capacity(paths.len());
+    for path in paths {
+        check_plain_path("paths", &path)?;
+        let api = Api::from_path(&path).ok_or_else(|| {
+            ConfigError(format!(
+                "path {path:?} must end in /completions, /chat/completions, /responses, \
+                 /messages, /generate or /v2/chat"
+            ))
+        })?;
+        if !orchestrated_paths
+            .iter()
+            .any(|known: &OrchestratedPath| known.path == path)
+        {
+            orchestrated_paths.push(OrchestratedPath { path, api });
+        }
+    }
+    Ok(orchestrated_paths)
+}
+
+/// The settings of a scheduler that names prefill hosts go together, and may not let it send
+/// prefill anywhere.
+fn check_scheduler(raw: &RawConfig, allowed: &HostAllowlist) -> Result<(), ConfigError> {
+    if raw
+        .prefill_host_cluster
+        .as_deref()
+        .is_some_and(|cluster| cluster.trim().is_empty())
+    {
+        return Err(ConfigError("prefill_host_cluster must not be empty".into()));
+    }
+    if raw.prefill_host_cluster.is_some() && allowed.is_empty() {
+        return Err(ConfigError(
+            "prefill_host_cluster needs prefill_hosts_allowed: the networks or ip:port \
+             hosts a scheduler may send prefill to (for example [\"10.0.0.0/8\"])"
+                .into(),
+        ));
+    }
+    if raw.replace_local_remote_host && raw.prefill_host_cluster.is_none() {
+        return Err(ConfigError(
+            "replace_local_remote_host needs prefill_host_cluster: the filter only knows \
+             the prefill host when a scheduler chose it"
+                .into(),
+        ));
+    }
+    if raw.prefill_host_cluster.is_none() && !allowed.is_empty() {
+        return Err(ConfigError(
+            "prefill_hosts_allowed is read only with prefill_host_cluster, the cluster that \
+             sends prefill to the host a scheduler named; set both, or neither"
+                .into(),
+        ));
+    }
+    if allowed.allows_every_address() {
+        return Err(ConfigError(
+            "prefill_hosts_allowed: a network of prefix length 0 lets a scheduler's header \
+             send prefill anywhere, Envoy's admin included; list the prefill pool's \
+             networks"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// KV releases need a cluster to go to and room to go.
+fn check_releases(raw: &RawConfig) -> Result<(), ConfigError> {
+    if raw.release_kv_on_abandon && raw.decode_cluster.trim().is_empty() {
+        return Err(ConfigError(
+            "decode_cluster must name the decode cluster that KV releases go to".into(),
+        ));
+    }
+    if raw.release_kv_on_abandon && raw.max_kv_releases_in_flight == 0 {
+        return Err(ConfigError(
+            "max_kv_releases_in_flight must be at least 1 (every release would be dropped); \
+             to send none, set release_kv_on_abandon to false"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 impl Config {
     /// Parses the plugin configuration; empty input means all defaults.
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
@@ -452,25 +535,11 @@ impl Config {
                 raw.max_vm_held_bytes, raw.max_request_body_bytes
             )));
         }
-        if raw.paths.is_empty() {
-            return Err(ConfigError("paths must list at least one path".into()));
-        }
-        let mut orchestrated_paths = Vec::with_capacity(raw.paths.len());
-        for path in raw.paths {
-            check_plain_path("paths", &path)?;
-            let api = Api::from_path(&path).ok_or_else(|| {
-                ConfigError(format!(
-                    "path {path:?} must end in /completions, /chat/completions, /responses, \
-                     /messages, /generate or /v2/chat"
-                ))
-            })?;
-            if !orchestrated_paths
-                .iter()
-                .any(|known: &OrchestratedPath| known.path == path)
-            {
-                orchestrated_paths.push(OrchestratedPath { path, api });
-            }
-        }
+        let prefill_hosts_allowed = HostAllowlist::parse(&raw.prefill_hosts_allowed)
+            .map_err(|e| ConfigError(format!("prefill_hosts_allowed: {e}")))?;
+        check_scheduler(&raw, &prefill_hosts_allowed)?;
+        check_releases(&raw)?;
+        let orchestrated_paths = orchestrated_paths(raw.paths)?;
         for path in &raw.kv_stripped_paths {
             check_plain_path("kv_stripped_paths", path)?;
         }
@@ -513,57 +582,6 @@ impl Config {
                     "{key}: the cluster for {model:?} is empty"
                 )));
             }
-        }
-        if raw
-            .prefill_host_cluster
-            .as_deref()
-            .is_some_and(|cluster| cluster.trim().is_empty())
-        {
-            return Err(ConfigError("prefill_host_cluster must not be empty".into()));
-        }
-        let prefill_hosts_allowed = HostAllowlist::parse(&raw.prefill_hosts_allowed)
-            .map_err(|e| ConfigError(format!("prefill_hosts_allowed: {e}")))?;
-        if raw.prefill_host_cluster.is_some() && prefill_hosts_allowed.is_empty() {
-            return Err(ConfigError(
-                "prefill_host_cluster needs prefill_hosts_allowed: the networks or ip:port \
-                 hosts a scheduler may send prefill to (for example [\"10.0.0.0/8\"])"
-                    .into(),
-            ));
-        }
-        if raw.replace_local_remote_host && raw.prefill_host_cluster.is_none() {
-            return Err(ConfigError(
-                "replace_local_remote_host needs prefill_host_cluster: the filter only knows \
-                 the prefill host when a scheduler chose it"
-                    .into(),
-            ));
-        }
-        if raw.prefill_host_cluster.is_none() && !prefill_hosts_allowed.is_empty() {
-            return Err(ConfigError(
-                "prefill_hosts_allowed is read only with prefill_host_cluster, the cluster that \
-                 sends prefill to the host a scheduler named; set both, or neither"
-                    .into(),
-            ));
-        }
-        if prefill_hosts_allowed.allows_every_address() {
-            return Err(ConfigError(
-                "prefill_hosts_allowed: a network of prefix length 0 lets a scheduler's header \
-                 send prefill anywhere, Envoy's admin included; list the prefill pool's \
-                 networks"
-                    .into(),
-            ));
-        }
-
-        if raw.release_kv_on_abandon && raw.decode_cluster.trim().is_empty() {
-            return Err(ConfigError(
-                "decode_cluster must name the decode cluster that KV releases go to".into(),
-            ));
-        }
-        if raw.release_kv_on_abandon && raw.max_kv_releases_in_flight == 0 {
-            return Err(ConfigError(
-                "max_kv_releases_in_flight must be at least 1 (every release would be dropped); \
-                 to send none, set release_kv_on_abandon to false"
-                    .into(),
-            ));
         }
 
         Ok(Config {
