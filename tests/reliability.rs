@@ -240,6 +240,33 @@ async fn an_unreachable_prefill_is_503_and_the_listener_keeps_working() {
 }
 
 #[tokio::test]
+async fn a_prefill_that_answers_no_http_is_tried_again_then_503() {
+    use std::sync::atomic::Ordering;
+    let _serial = NOT_HTTP.lock().await;
+    let before = common::NOT_HTTP_CONNECTIONS.load(Ordering::SeqCst);
+    let id = unique_id("not-http");
+    let reply = assert_refused(
+        "not_http",
+        COMPLETIONS,
+        &id,
+        completion("x"),
+        503,
+        "protocol error",
+    )
+    .await;
+    assert_eq!(reply.header("retry-after"), Some("1"));
+    assert_eq!(
+        common::NOT_HTTP_CONNECTIONS.load(Ordering::SeqCst) - before,
+        2,
+        "one attempt more (prefill_retries: 1)"
+    );
+    assert_listener_still_answers("not_http", "nope").await;
+}
+
+/// Tests that count the attempts of the `not_http` listener's prefill.
+static NOT_HTTP: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test]
 async fn an_unknown_prefill_cluster_is_503_naming_it_and_the_listener_keeps_working() {
     let h = harness();
     for (path, body) in [

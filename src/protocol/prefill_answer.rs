@@ -195,20 +195,37 @@ pub fn read_prefill_answer(status: Option<u16>, body: &[u8]) -> PrefillAnswer<'_
             504,
             format!("prefill timed out (504): {}", upstream_error(body).1),
         ),
-        _ => fail(
-            FailureKind::Status,
-            502,
-            format!("prefill failed ({status}): {}", upstream_error(body).1),
-        ),
+        _ => {
+            let message = upstream_error(body).1;
+            // Envoy's own answer when prefill's was not HTTP (a protocol error): no answer
+            // began, as when the connection is reset before one.
+            if status == 502 && message.starts_with(ENVOY_RESET_BEFORE_HEADERS) {
+                return fail(
+                    FailureKind::Reset,
+                    503,
+                    format!("prefill is unavailable ({status}): {message}"),
+                );
+            }
+            fail(
+                FailureKind::Status,
+                502,
+                format!("prefill failed ({status}): {message}"),
+            )
+        }
     }
 }
+
+/// How Envoy's own answer to a call begins when the connection failed or broke before any
+/// answer from the upstream.
+const ENVOY_RESET_BEFORE_HEADERS: &str =
+    "upstream connect error or disconnect/reset before headers";
 
 /// Envoy answers a callout it could not complete with its own 503 and a text body; a 503
 /// from prefill itself is an error status.
 fn envoy_503_kind(message: &str) -> FailureKind {
     if message.contains("no healthy upstream") || message.contains("connection failure") {
         FailureKind::Unreachable
-    } else if message.starts_with("upstream connect error or disconnect/reset") {
+    } else if message.starts_with(ENVOY_RESET_BEFORE_HEADERS) {
         FailureKind::Reset
     } else {
         FailureKind::Status
@@ -387,6 +404,7 @@ mod tests {
         use FailureKind::*;
         let refused = b"upstream connect error or disconnect/reset before headers. reset reason: remote connection failure, transport failure reason: delayed connect error: Connection refused";
         let terminated = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+        let protocol_error = b"upstream connect error or disconnect/reset before headers. reset reason: protocol error";
         type Case<'a> = (Option<u16>, &'a [u8], u16, FailureKind, &'a str);
         let cases: &[Case] = &[
             (None, b"", 502, Reset, "reset"),
@@ -421,6 +439,14 @@ mod tests {
                 "prefill timed out (504): upstream request timeout",
             ),
             (Some(302), b"", 502, Status, "no details"),
+            (
+                Some(502),
+                br#"{"error":{"message":"bad"}}"#,
+                502,
+                Status,
+                "prefill failed (502): bad",
+            ),
+            (Some(502), protocol_error, 503, Reset, "protocol error"),
         ];
         for (status, body, expected, kind, text) in cases {
             let failure = failure(*status, body);
@@ -440,6 +466,8 @@ mod tests {
         assert!(failure(Some(503), br#"{"error":{"message":"busy"}}"#).is_retryable());
         let terminated = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
         assert!(failure(Some(503), terminated).is_retryable());
+        let protocol_error = b"upstream connect error or disconnect/reset before headers. reset reason: protocol error";
+        assert!(failure(Some(502), protocol_error).is_retryable());
         // Reset after the answer began: prefill computed the prompt and holds its KV.
         assert!(!failure(None, b"").is_retryable());
         assert!(!failure(Some(504), b"upstream request timeout").is_retryable());

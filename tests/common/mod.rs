@@ -105,6 +105,7 @@ pub const LISTENERS: &[Listener] = &[
         "unreachable",
         r#"{"prefill_cluster":"prefill_unreachable"}"#,
     ),
+    plain("not_http", r#"{"prefill_cluster":"prefill_not_http"}"#),
     plain(
         "unknown_cluster",
         r#"{"prefill_cluster":"no_such_cluster"}"#,
@@ -375,6 +376,7 @@ fn start() -> Harness {
             deaf: deaf_port(),
             late: closed_port(),
             trailers: trailers_port(),
+            not_http: not_http_port(),
         };
         let envoy = start_envoy(&ports);
         sender
@@ -435,6 +437,30 @@ struct Ports {
     deaf: u16,
     late: u16,
     trailers: u16,
+    not_http: u16,
+}
+
+/// Connections the server of [`not_http_port`] has taken.
+pub static NOT_HTTP_CONNECTIONS: AtomicU64 = AtomicU64::new(0);
+
+/// A local port whose server reads a request's head and answers bytes that are not HTTP,
+/// then closes the connection. Lives as long as the test process.
+fn not_http_port() -> u16 {
+    use std::io::{Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            NOT_HTTP_CONNECTIONS.fetch_add(1, Ordering::SeqCst);
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).unwrap_or(0) == 1 {
+                head.push(byte[0]);
+            }
+            let _ = stream.write_all(b"\x00\x01 this is not HTTP\r\n\r\n");
+        }
+    });
+    port
 }
 
 /// A local port whose server takes every connection and never reads from it: what a
@@ -792,6 +818,7 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         cluster_yaml("decode_held", "127.0.0.1", ports.decode),
         cluster_yaml("decode_late", "127.0.0.1", ports.late),
         trailers_cluster_yaml("decode_trailers", ports.trailers),
+        cluster_yaml("prefill_not_http", "127.0.0.1", ports.not_http),
         cluster_yaml("decode_passed", "127.0.0.1", ports.decode),
         original_dst_cluster_yaml("prefill_original_dst", "x-envoy-original-dst-host"),
         original_dst_cluster_yaml("decode_picker", "x-gateway-destination-endpoint"),
