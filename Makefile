@@ -91,7 +91,7 @@ bench-ab: build envoy base-build ## A/B of the filter against BASE's build (BASE
 
 # The same comparison in instructions counted by callgrind, which this noisy machine does not
 # move (bench/instructions.py). INSTRUCTIONS_ARGS: for example "--stream" or "--size 65536".
-bench-instructions: build envoy base-build ## Instructions per request under callgrind, against BASE's build (valgrind), about 6 minutes
+bench-instructions: build envoy base-build ## Instructions per request under callgrind, against BASE's build (valgrind), a few minutes
 	@command -v valgrind >/dev/null || { echo "bench-instructions needs valgrind (apt-get install valgrind)"; exit 1; }
 	ENVOY="$(ENVOY)" python3 bench/instructions.py $(BASE_WASM) target/$(WASM_TARGET)/release/pd_filter.wasm \
 		$(INSTRUCTIONS_ARGS)
@@ -134,6 +134,8 @@ image: build ## The filter as an OCI image for Istio's WasmPlugin (IMAGE=name:ta
 		echo "no Docker engine here: skipped docker build of $(IMAGE)."; \
 		echo "The image's only content is target/oci/plugin.wasm; build it where Docker runs:"; \
 		echo "  docker build -f deploy/oci/Dockerfile -t $(IMAGE) target/oci"; \
+		echo "or serve target/oci/plugin.wasm over HTTPS and give the WasmPlugin its url and sha256."; \
+		exit 1; \
 	fi
 
 help: ## List the targets
