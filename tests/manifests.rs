@@ -1103,6 +1103,20 @@ const TRUSTED_HEADERS: [&str; 6] = [
     "x-envoy-original-dst-host",
 ];
 
+/// Envoy's routing headers its router obeys from a client it counts as internal
+/// (`internal_address_config`; under Istio, `meshNetworks`): a retry on 200 sends decode the
+/// same KV again, a timeout cuts generations. Every configuration removes clients' copies.
+const ENVOY_ROUTING_HEADERS: [&str; 8] = [
+    "x-envoy-retry-on",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retriable-header-names",
+    "x-envoy-max-retries",
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-hedge-on-per-try-timeout",
+];
+
 /// The filter's defaults for the keys the checks below read.
 const DEFAULT_PREFILL_TIMEOUT_MS: u64 = 120_000;
 const DEFAULT_MAX_REQUEST_BODY_BYTES: u64 = 8 * 1024 * 1024;
@@ -1634,7 +1648,11 @@ fn hardening_errors(config: &Value) -> Vec<String> {
                     || by_prefix.is_some_and(|prefix| header.starts_with(prefix))
             })
         };
-        let mut trusted: Vec<String> = TRUSTED_HEADERS.iter().map(|h| h.to_string()).collect();
+        let mut trusted: Vec<String> = TRUSTED_HEADERS
+            .iter()
+            .chain(&ENVOY_ROUTING_HEADERS)
+            .map(|h| h.to_string())
+            .collect();
         for (_, plugin) in &filters {
             for key in ["prefill_host_header", "model_header"] {
                 if let Some(header) = plugin[key].as_str() {
@@ -2209,6 +2227,7 @@ fn istio_manifests_require_path_normalization_and_refuse_scheduler_headers() {
     let mut trusted: Vec<String> = TRUSTED_HEADERS
         .iter()
         .filter(|header| **header != "x-pd-anything")
+        .chain(&ENVOY_ROUTING_HEADERS)
         .map(|h| h.to_string())
         .collect();
     for key in ["prefill_host_header", "model_header"] {
@@ -2949,6 +2968,42 @@ fn envoy_yaml_counts_abandoned_prefills_by_the_peer_not_its_x_forwarded_for_in_e
         COMPLETION_BODY,
     );
     openai_error(&reply, 429).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// envoy/envoy.yaml removes a client's Envoy routing headers even where Envoy would count
+/// the client as internal and obey them: a retry on 200 would send decode the same KV again.
+#[test]
+fn envoy_yaml_ignores_a_clients_retry_headers_even_from_an_internal_address_in_envoy() {
+    let (_runtime, prefill, decode, envoy) = edited_envoy_yaml_before_mocks(
+        "run-envoy-yaml-internal",
+        |text| {
+            substitute(
+                &text,
+                "                use_remote_address: true\n",
+                "                use_remote_address: true\n                internal_address_config: { cidr_ranges: [{ address_prefix: 127.0.0.0, prefix_len: 8 }] }\n",
+            )
+        },
+    );
+    let id = "internal-client-retries";
+    let reply = raw_post(
+        envoy.port,
+        "/v1/completions",
+        &[
+            ("x-request-id", id),
+            ("x-envoy-retry-on", "retriable-status-codes"),
+            ("x-envoy-retriable-status-codes", "200"),
+            ("x-envoy-max-retries", "3"),
+            ("x-envoy-upstream-rq-timeout-ms", "1"),
+        ],
+        COMPLETION_BODY,
+    );
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(prefill.requests_with_id(id).len(), 1);
+    let decoded = decode.requests_with_id(id);
+    assert_eq!(decoded.len(), 1, "decode got the request more than once");
+    for header in ENVOY_ROUTING_HEADERS {
+        assert_eq!(decoded[0].header(header), None, "{header} reached decode");
+    }
 }
 
 /// An Envoy whose wasm filter lacks `allow_on_headers_stop_iteration` never gives a held
