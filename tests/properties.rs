@@ -413,6 +413,12 @@ proptest! {
         // Byte for byte: the output is the input with kv text inserted or swapped in: as the
         // first member where the client sent none, and only the head is written then.
         let edit = prepared.decode.edit_with_kv(text.as_bytes(), kv.as_bytes());
+        // Where only a head is written, the filter keeps none of the client's bytes while
+        // prefill works: the edit must not need them, and there is nothing to strip.
+        if prepared.decode.head_len().is_some_and(|len| len < text.len()) {
+            prop_assert_eq!(&prepared.decode.edit_with_kv(b"", kv.as_bytes()), &edit);
+            prop_assert_eq!(prepared.decode.body_without_kv(text.as_bytes()), None);
+        }
         let decode_text = String::from_utf8(decode).unwrap();
         if !text.contains("\"kv_transfer_params\"") && !drops_prompt_logprobs {
             // Whitespace before the brace is not written again when only the head is.

@@ -73,7 +73,9 @@ impl HeldBody {
         }
     }
 
-    /// The bytes kept: all of the body, or none.
+    /// The bytes kept: all of the body, or none where decode's edit needs none of them
+    /// (only a head is written, and there is nothing to strip: a property test holds the
+    /// plan to that).
     fn bytes(&self) -> &[u8] {
         match self {
             HeldBody::Whole { body, .. } => body,
