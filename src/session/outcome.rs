@@ -14,7 +14,7 @@ pub enum Outcome {
     /// Answered 503 because the filter held as much as it may (`max_vm_held_bytes`).
     Overloaded,
     /// The stream ended while prefill ran, or before the body had all come: the client
-    /// left, or Envoy ended the stream (a timeout of its own).
+    /// left, or Envoy ended the stream (a timeout or limit of its own).
     Abandoned,
 }
 
