@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 const COMPLETIONS: &str = "/v1/completions";
 const CHAT: &str = "/v1/chat/completions";
 const RESPONSES: &str = "/v1/responses";
+const MESSAGES: &str = "/v1/messages";
 
 #[tokio::test]
 async fn completions_prefill_is_capped_and_decode_gets_the_original_with_kv() {
@@ -109,9 +110,9 @@ async fn prefill_gets_min_tokens_of_one_and_decode_the_clients() {
 }
 
 /// vLLM's connectors hand KV over only for an answer cut at its limit. Where the model's first
-/// token would end the answer, prefill's copy holds it off (`min_tokens` 1) on completions and
-/// chat, and decode reads the KV; /v1/responses has no `min_tokens`, and there decode
-/// computes the prompt itself (`on_missing_kv_transfer_params: decode_only`).
+/// token would end the answer, prefill's copy holds it off (`min_tokens` 1) on completions,
+/// chat and Messages, and decode reads the KV; /v1/responses has no `min_tokens`, and there
+/// decode computes the prompt itself (`on_missing_kv_transfer_params: decode_only`).
 #[tokio::test]
 async fn a_first_token_that_would_stop_prefill_still_hands_its_kv_to_decode() {
     let h = harness();
@@ -124,6 +125,17 @@ async fn a_first_token_that_would_stop_prefill_still_hands_its_kv_to_decode() {
         assert_served("default", path, &id, &body.to_string()).await;
         assert_eq!(h.only_prefill(&id).json()["min_tokens"], 1);
     }
+    let id = unique_id("first-token-stop-messages");
+    let messages = json!({"model": "m", "messages": [{"role": "user", "content": stops}],
+        "max_tokens": 5});
+    let reply = Request::post("default", MESSAGES)
+        .id(&id)
+        .body(messages.to_string())
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{}", reply.body);
+    assert_eq!(h.only_prefill(&id).json()["min_tokens"], 1);
     let id = unique_id("first-token-stop-responses");
     let responses = json!({"model": "m", "input": stops, "max_output_tokens": 5});
     assert_recomputed("default", RESPONSES, &id, &responses.to_string()).await;
@@ -295,6 +307,12 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
             "/cohere/v2/chat",
             r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":-1}"#,
             json!({"message": "max_tokens must be non-negative"}),
+        ),
+        (
+            "cohere-zero-limit",
+            "/cohere/v2/chat",
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":0}"#,
+            json!({"message": "max_tokens must be at least 1, got 0."}),
         ),
     ] {
         let id = unique_id(label);

@@ -500,7 +500,7 @@ fn check_prefill(api: Api, text: &str) -> Result<(), TestCaseError> {
         prop_assert!(!prefill.contains_key(key));
     }
     // Prefill's one token is never a stop where vLLM reads min_tokens.
-    let holds_off_a_stop = matches!(api, Api::Completions | Api::ChatCompletions);
+    let holds_off_a_stop = matches!(api, Api::Completions | Api::ChatCompletions | Api::Messages);
     prop_assert_eq!(prefill.get("min_tokens"), holds_off_a_stop.then_some(&one));
     let remote_decode: Value = serde_json::from_slice(REMOTE_DECODE_REQUEST).unwrap();
     prop_assert_eq!(prefill.get("kv_transfer_params"), Some(&remote_decode));
@@ -525,12 +525,13 @@ fn check_prefill(api: Api, text: &str) -> Result<(), TestCaseError> {
         .get("structured_outputs")
         .cloned()
         .unwrap_or(Value::Null);
+    // Counted per spelling: a vLLM that reads structured_outputs ignores guided_regex.
     let constraints = ["json", "regex", "choice"]
         .iter()
         .filter(|kind| outputs.get(**kind).is_some_and(|v| !v.is_null()))
-        .count()
-        + usize::from(original.get("guided_regex").is_some_and(|v| !v.is_null()));
-    let drops_constraint = names_a_tool && constraints == 1;
+        .count();
+    let legacy = usize::from(original.get("guided_regex").is_some_and(|v| !v.is_null()));
+    let drops_constraint = names_a_tool && (constraints == 1 || (constraints == 0 && legacy == 1));
     if let (true, Some(name)) = (names_a_tool, first_tool_name) {
         let named = serde_json::json!({"type": "function", "function": {"name": name}});
         prop_assert_eq!(prefill.get("tool_choice"), Some(&named));

@@ -50,7 +50,7 @@ pub(crate) struct Parsed {
     pub prompt_logprobs: Option<u64>,
     /// Generate: the `request_id` the request named.
     pub request_id: Option<String>,
-    /// `min_tokens` (completions, chat; generate's `sampling_params`): 0 when absent.
+    /// `min_tokens` (completions, chat, Messages; generate's `sampling_params`): 0 when absent.
     pub min_tokens: u64,
 }
 
@@ -378,8 +378,8 @@ fn check_greedy(params: &Map<String, Value>, n: i64) -> Result<(), String> {
     Ok(())
 }
 
-/// `POST /v1/messages`: `max_tokens` is required; there is no `n`, `min_tokens` or
-/// `stream_options` (ignored if sent).
+/// `POST /v1/messages`: `max_tokens` is required; `min_tokens` as in vLLM 0.34; there is no
+/// `n` or `stream_options` (ignored if sent).
 fn parse_messages(obj: &Map<String, Value>) -> Result<Parsed, String> {
     let model = match obj.get("model") {
         None | Some(Value::Null) => return Err("model is required".into()),
@@ -442,14 +442,13 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Parsed, String> {
         );
     }
     let stream = lax_bool(obj, "stream")?;
-    Ok(one_sequence(
-        Endpoint::Messages,
-        obj,
-        stream,
-        limit,
-        model,
-        &texts,
-    ))
+    // vLLM 0.34's Messages model has `min_tokens`, checked as chat checks it.
+    let min_tokens = int_field(obj, "min_tokens")?;
+    check_min(min_tokens, limit)?;
+    Ok(Parsed {
+        min_tokens: min_tokens.unwrap_or(0).max(0) as u64,
+        ..one_sequence(Endpoint::Messages, obj, stream, limit, model, &texts)
+    })
 }
 
 /// A request of an API that generates one sequence and has no prompt logprobs: Messages and
@@ -477,8 +476,9 @@ fn one_sequence(
     }
 }
 
-/// `POST /cohere/v2/chat`: one limit, `max_tokens` (non-negative; without it, the rest of the
-/// context, simulated as 40); no `n`, `min_tokens` or `stream_options`.
+/// `POST /cohere/v2/chat`: one limit, `max_tokens` (non-negative to its own model, and at
+/// least 1 to the chat request it becomes; without it, the rest of the context, simulated as
+/// 40); no `n`, `min_tokens` or `stream_options`.
 fn parse_cohere(obj: &Map<String, Value>) -> Result<Parsed, String> {
     let model = match obj.get("model") {
         Some(Value::String(s)) if !s.is_empty() => s.clone(),
@@ -488,6 +488,7 @@ fn parse_cohere(obj: &Map<String, Value>) -> Result<Parsed, String> {
     if limit < 0 {
         return Err("max_tokens must be non-negative".into());
     }
+    check_limit("max_tokens", limit)?;
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(stream)) => *stream,
@@ -1359,14 +1360,19 @@ mod tests {
         let bad_block = with("messages", json!([{"role": "user", "content": ["x"]}]));
         assert!(parse_err(m, bad_block).contains("blocks"));
         assert!(parse_err(m, with("system", json!(3))).starts_with("system"));
-        // Not in the schema: no n, no min_tokens, no stream_options.
+        // Not in the schema: no n, no stream_options.
         let mut body = with("n", json!(0));
-        body["min_tokens"] = json!(99);
         body["stream_options"] = json!({"include_usage": true});
         let p = parse_ok(m, body);
         assert_eq!(
             (p.limit, p.n, p.stream, p.include_usage),
             (4, 1, false, false)
+        );
+        // min_tokens, as vLLM 0.34 reads it.
+        assert_eq!(parse_ok(m, with("min_tokens", json!(2))).min_tokens, 2);
+        assert_eq!(
+            parse_err(m, with("min_tokens", json!(99))),
+            "min_tokens must be less than or equal to max_tokens=4, got 99."
         );
         assert_eq!(p.prompt_logprobs, None);
     }

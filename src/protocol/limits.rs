@@ -57,14 +57,15 @@ fn check_messages_limit(object: &JsonObject) -> Result<(), ClientError> {
     }
 }
 
-/// The Cohere-style API's `max_tokens`, which may be 0 but not below.
+/// The Cohere-style API's `max_tokens`: its own model refuses one below 0, and vLLM's chat,
+/// which it becomes, one of 0.
 fn check_cohere_limit(object: &JsonObject) -> Result<(), ClientError> {
     match integer(object, "max_tokens") {
         Some(limit) if limit < 0 => Err(ClientError::invalid_field(
             "max_tokens",
             "max_tokens must be non-negative",
         )),
-        _ => Ok(()),
+        limit => check_limit(limit),
     }
 }
 
@@ -415,8 +416,11 @@ mod tests {
         let (param, message) = refusal(Api::CohereChat, r#"{"messages":[],"max_tokens":-1}"#);
         assert_eq!(param, Some("max_tokens"));
         assert_eq!(message, "max_tokens must be non-negative");
+        let (param, message) = refusal(Api::CohereChat, r#"{"messages":[],"max_tokens":0}"#);
+        assert_eq!(param, Some("max_tokens"));
+        assert_eq!(message, "max_tokens must be at least 1, got 0.");
         for body in [
-            r#"{"messages":[],"max_tokens":0}"#,
+            r#"{"messages":[],"max_tokens":1}"#,
             r#"{"messages":[],"max_tokens":"-1"}"#,
             r#"{"messages":[]}"#,
         ] {
@@ -513,7 +517,6 @@ mod tests {
                 Api::Generate,
                 r#"{"sampling_params":{"max_tokens":2,"min_tokens":5},"sampling_params":{"max_tokens":9,"min_tokens":5}}"#,
             ),
-            (Api::CohereChat, r#"{"messages":[],"max_tokens":0}"#),
             (
                 Api::Completions,
                 r#"{"prompt":"hi","max_tokens":99999999999999999999999,"min_tokens":5}"#,

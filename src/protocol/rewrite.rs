@@ -531,7 +531,9 @@ fn named_instead_of_required(object: &JsonObject) -> Option<Vec<u8>> {
 /// `structured_outputs` (vLLM 0.33), or `guided_json`, `guided_regex` or `guided_choice`
 /// (earlier versions). Prefill, whose `"required"` becomes a named tool, goes without it:
 /// constraints shape the generated tokens, never the prompt, and prefill's one token is not
-/// used. Two or more are refused by vLLM either way, and are left for prefill to refuse.
+/// used. Two or more of one spelling are refused by vLLM either way, and are left for
+/// prefill to refuse. The spellings are counted apart: a vLLM that reads `structured_outputs`
+/// ignores the `guided_` members, so one of each is one constraint to it, and all go.
 fn constrains_output(object: &JsonObject) -> bool {
     let outputs = object
         .last_value("structured_outputs")
@@ -546,7 +548,7 @@ fn constrains_output(object: &JsonObject) -> bool {
         .iter()
         .filter(|key| object.is_set(key))
         .count();
-    nested + legacy == 1
+    nested == 1 || (nested == 0 && legacy == 1)
 }
 
 /// For a Messages request whose `tool_choice` names a tool (`{"type":"tool","name":…}`), the
@@ -601,11 +603,12 @@ fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
 /// hand the prompt's KV over only when the answer ended at its length limit: a first token
 /// that is the end of sequence (or one of `stop_token_ids`) ends it as stopped, its KV is
 /// freed and decode has to compute the whole prompt again. `min_tokens: 1` keeps those tokens
-/// from being sampled for the one token prefill makes (decode samples its own). Only where
-/// vLLM reads the field in every version: completions and chat here, and the tokens-in API's
-/// `sampling_params` ([`one_token_sampling_params`]).
+/// from being sampled for the one token prefill makes (decode samples its own). Completions,
+/// chat and Messages here (Messages since vLLM 0.34; earlier versions' Messages model ignores
+/// a field it does not know), and the tokens-in API's `sampling_params`
+/// ([`one_token_sampling_params`]). Responses and the Cohere-style API have no such field.
 fn holds_off_a_stop(api: Api) -> bool {
-    matches!(api, Api::Completions | Api::ChatCompletions)
+    matches!(api, Api::Completions | Api::ChatCompletions | Api::Messages)
 }
 
 /// Whether a JSON value is true to Python (`bool(value)`), as vLLM's checks of the raw
@@ -872,6 +875,14 @@ mod tests {
         let prefill = prefill_json(Api::ChatCompletions, &legacy);
         assert_eq!(prefill["tool_choice"]["function"]["name"], "f");
         assert!(prefill.get("guided_regex").is_none(), "{prefill}");
+        // Both spellings at once: vLLM 0.34 reads `structured_outputs` and ignores the other.
+        let both = format!(
+            r#"{{"messages":[],"tools":{tools},"tool_choice":"required","structured_outputs":{{"regex":"a"}},"guided_regex":"b"}}"#
+        );
+        let prefill = prefill_json(Api::ChatCompletions, &both);
+        assert_eq!(prefill["tool_choice"]["function"]["name"], "f");
+        assert!(prefill.get("structured_outputs").is_none(), "{prefill}");
+        assert!(prefill.get("guided_regex").is_none(), "{prefill}");
         // Constraints vLLM allows beside a named tool stay, as do all where the choice is
         // the client's own, and two kinds at once, which vLLM refuses whatever the choice.
         for (choice, constraint) in [
@@ -1101,7 +1112,7 @@ mod tests {
     }
 
     /// vLLM hands KV over only for an answer cut at its limit: prefill's one token must not
-    /// be a stop, wherever every vLLM reads `min_tokens`; elsewhere the field stays out.
+    /// be a stop, wherever vLLM reads `min_tokens`; elsewhere the field stays out.
     #[test]
     fn prefills_one_token_is_never_a_stop_where_vllm_reads_min_tokens() {
         for (api, body) in [
@@ -1111,6 +1122,11 @@ mod tests {
                 Api::ChatCompletions,
                 r#"{"messages":[],"min_tokens":3,"min_tokens":4}"#,
             ),
+            (
+                Api::Messages,
+                r#"{"messages":[],"max_tokens":5,"min_tokens":2}"#,
+            ),
+            (Api::Messages, r#"{"messages":[],"max_tokens":5}"#),
         ] {
             let prefill = prefill_json(api, body);
             assert_eq!(prefill["min_tokens"], 1, "{body}");
@@ -1120,10 +1136,6 @@ mod tests {
         }
         for (api, body) in [
             (Api::Responses, r#"{"input":"hi"}"#),
-            (
-                Api::Messages,
-                r#"{"messages":[],"max_tokens":5,"min_tokens":2}"#,
-            ),
             (Api::CohereChat, r#"{"messages":[],"max_tokens":5}"#),
         ] {
             assert!(
@@ -1220,7 +1232,7 @@ mod tests {
         assert_eq!(
             prefill_json(Api::Messages, body),
             json!({"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1,
-                   "stream":false,"kv_transfer_params":remote_decode()})
+                   "min_tokens":1,"stream":false,"kv_transfer_params":remote_decode()})
         );
         // vLLM requires max_tokens here: prefill refuses its absence, as decode would.
         let missing = prefill_json(Api::Messages, r#"{"model":"m","messages":[]}"#);

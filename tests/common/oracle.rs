@@ -2,8 +2,8 @@
 //!
 //! Prefill gets the client's body with every limit capped to 1 (`max_tokens` added when
 //! absent but on /v1/responses, which has none, where `max_output_tokens` is; `store` and
-//! `background` false there), `stream` false, `min_tokens` 1 on completions and chat (none on
-//! /v1/responses), no `min_completion_tokens` or `stream_options`, and `kv_transfer_params`
+//! `background` false there), `stream` false, `min_tokens` 1 on completions, chat and Messages
+//! (none on /v1/responses), no `min_completion_tokens` or `stream_options`, and `kv_transfer_params`
 //! asking for a remote
 //! decode, each edited member once however often the client repeated it; every other member
 //! byte for byte, in order. Decode gets the client's bytes with exactly one
@@ -29,7 +29,7 @@ const CAPPED: [&str; 4] = [
     "max_output_tokens",
     "n",
 ];
-/// Never sent to prefill (but `min_tokens`, which completions and chat get as 1).
+/// Never sent to prefill (but `min_tokens`, which completions, chat and Messages get as 1).
 const REMOVED: [&str; 3] = ["min_tokens", "min_completion_tokens", "stream_options"];
 
 /// The `kv_transfer_params` the filter sends prefill.
@@ -145,15 +145,16 @@ pub fn check_prefill(path: &str, client: &[u8], prefill: &RecordedRequest) -> Re
             .unwrap_or(Value::Null)
     };
     let outputs = last("structured_outputs");
+    // Counted per spelling: a vLLM that reads structured_outputs ignores the guided_ ones.
     let constraints = ["json", "regex", "choice"]
         .iter()
         .filter(|kind| !outputs[**kind].is_null())
-        .count()
-        + ["guided_json", "guided_regex", "guided_choice"]
-            .iter()
-            .filter(|key| !last(key).is_null())
-            .count();
-    let drops_constraint = names_a_tool && constraints == 1;
+        .count();
+    let legacy = ["guided_json", "guided_regex", "guided_choice"]
+        .iter()
+        .filter(|key| !last(key).is_null())
+        .count();
+    let drops_constraint = names_a_tool && (constraints == 1 || (constraints == 0 && legacy == 1));
     let edited = |key: &str| {
         CAPPED.contains(&key)
             || REMOVED.contains(&key)
