@@ -136,12 +136,30 @@ impl ClientError {
         }
     }
 
+    /// In vLLM's member order (`json!` would sort the keys).
     fn to_anthropic_json(&self) -> Vec<u8> {
-        let body = serde_json::json!({
-            "type": "error",
-            "error": {"type": anthropic_error_type(self.status), "message": self.message},
-        });
-        body.to_string().into_bytes()
+        #[derive(serde::Serialize)]
+        struct Envelope<'a> {
+            #[serde(rename = "type")]
+            kind: &'a str,
+            error: Detail<'a>,
+        }
+        #[derive(serde::Serialize)]
+        struct Detail<'a> {
+            #[serde(rename = "type")]
+            error_type: &'a str,
+            message: &'a str,
+        }
+        let envelope = Envelope {
+            kind: "error",
+            error: Detail {
+                error_type: anthropic_error_type(self.status),
+                message: &self.message,
+            },
+        };
+        serde_json::to_vec(&envelope).unwrap_or_else(|_| {
+            br#"{"type":"error","error":{"type":"api_error","message":"pd-filter error"}}"#.to_vec()
+        })
     }
 
     pub fn to_json(&self) -> Vec<u8> {
@@ -224,7 +242,7 @@ mod tests {
         let body = ClientError::bad_request("no").body_for(Some(Api::Messages));
         assert_eq!(
             String::from_utf8(body).unwrap(),
-            r#"{"error":{"message":"no","type":"invalid_request_error"},"type":"error"}"#
+            r#"{"type":"error","error":{"type":"invalid_request_error","message":"no"}}"#
         );
         for (status, kind) in [
             (413, "request_too_large"),
