@@ -314,6 +314,14 @@ async fn prefill_errors_reach_the_client_as_vllm_wrote_them() {
     let error = reply.json();
     assert_eq!(error["error"]["message"], "mock prefill failure 400");
     assert_eq!(reply.header("x-request-id"), Some(id.as_str()));
+    // A worker started with `--api-key` refuses a wrong key in a shape of its own.
+    let reply = Request::post("default", "/v1/completions")
+        .id(&unique_id("vllm-error-401"))
+        .body(json!({"prompt": "key mock:prefill_status=401", "max_tokens": 3}).to_string())
+        .send()
+        .await;
+    assert_eq!(reply.status, 401);
+    assert_eq!(reply.json(), json!({"error": "Unauthorized"}));
 }
 
 #[tokio::test]

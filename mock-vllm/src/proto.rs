@@ -1086,6 +1086,10 @@ pub(crate) fn endpoint_error_body(endpoint: Endpoint, status: u16, message: &str
 
 /// vLLM's error body.
 pub(crate) fn error_body(status: u16, message: &str) -> Value {
+    if status == 401 {
+        // vLLM's `--api-key` check answers before any endpoint, in a shape of its own.
+        return json!({"error": "Unauthorized"});
+    }
     let kind = match status {
         400 => "BadRequestError",
         401 => "AuthenticationError",

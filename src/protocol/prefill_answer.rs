@@ -266,9 +266,10 @@ fn is_empty_object(value: &[u8]) -> bool {
 const MAX_QUOTED_UPSTREAM_TEXT: usize = 512;
 const MAX_VERBATIM_ERROR: usize = 64 * 1024;
 
-/// A vLLM error answer (`{"error":{…}}`, the older `{"object":"error",…}`, or the
-/// Cohere-style API's `{"message":"…"}`), to pass on as it is; anything else is answered in
-/// the filter's own words.
+/// A vLLM error answer (`{"error":{…}}`, the older `{"object":"error",…}`, the
+/// Cohere-style API's `{"message":"…"}`, or `{"error":"Unauthorized"}` from a server started
+/// with `--api-key`), to pass on as it is; anything else is answered in the filter's own
+/// words.
 fn vllm_error_body(body: &[u8]) -> Option<Vec<u8>> {
     if body.len() > MAX_VERBATIM_ERROR {
         return None;
@@ -276,7 +277,7 @@ fn vllm_error_body(body: &[u8]) -> Option<Vec<u8>> {
     let object = JsonObject::parse(body).ok()?;
     let is_error = object
         .last_value("error")
-        .is_some_and(|v| v.starts_with(b"{"))
+        .is_some_and(|v| v.starts_with(b"{") || v.starts_with(b"\""))
         || object.last_value("object") == Some(b"\"error\"")
         || object
             .last_value("message")
@@ -382,6 +383,10 @@ mod tests {
         assert_eq!(failure(Some(422), old_shape).error.to_json(), old_shape);
         let cohere = br#"{"message":"max_tokens must be non-negative","id":"r1"}"#;
         assert_eq!(failure(Some(400), cohere).error.to_json(), cohere);
+        let api_key = br#"{"error":"Unauthorized"}"#;
+        let unauthorized = failure(Some(401), api_key);
+        assert_eq!(unauthorized.error.status, 401);
+        assert_eq!(unauthorized.error.to_json(), api_key);
         // Quoted by its message where the filter names prefill's failure.
         let unavailable = failure(Some(503), br#"{"message":"overloaded","id":"r2"}"#);
         assert_eq!(
