@@ -234,7 +234,7 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
             "zero-limit",
             CHAT,
             r#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":-2}"#,
-            "max_tokens must be at least 1, got -2.",
+            "max_tokens must be at least 1, got -2. (parameter=max_tokens, value=-2)",
             Some("max_tokens"),
         ),
         (
@@ -262,7 +262,7 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
             "zero-output",
             RESPONSES,
             r#"{"input":"hi","max_output_tokens":0}"#,
-            "max_tokens must be at least 1, got 0.",
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
             Some("max_tokens"),
         ),
         (
@@ -312,7 +312,7 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
             "cohere-zero-limit",
             "/cohere/v2/chat",
             r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":0}"#,
-            json!({"message": "max_tokens must be at least 1, got 0."}),
+            json!({"message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"}),
         ),
     ] {
         let id = unique_id(label);

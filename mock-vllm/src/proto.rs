@@ -102,22 +102,22 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
     let int = |key: &str| int_field(obj, key);
     // The limit the request sets; `None` where vLLM takes the rest of the context (chat
     // without one, or completions' `max_tokens: null`: an absent one is 16).
-    let (limit_name, set_limit) = match endpoint {
+    let set_limit = match endpoint {
         Endpoint::Chat => match int("max_completion_tokens")? {
-            Some(v) => ("max_completion_tokens", Some(v)),
-            None => ("max_tokens", int("max_tokens")?),
+            Some(v) => Some(v),
+            None => int("max_tokens")?,
         },
         // max_tokens is not in the Responses schema: only max_output_tokens counts, and
         // without it the limit is "the rest of the context", simulated as 40.
-        Endpoint::Responses => ("max_output_tokens", int("max_output_tokens")?.or(Some(40))),
+        Endpoint::Responses => int("max_output_tokens")?.or(Some(40)),
         // Completions.
         _ => match obj.get("max_tokens") {
-            None => ("max_tokens", Some(16)),
-            Some(_) => ("max_tokens", int("max_tokens")?),
+            None => Some(16),
+            Some(_) => int("max_tokens")?,
         },
     };
     if let Some(limit) = set_limit {
-        check_limit(limit_name, limit)?;
+        check_limit(limit)?;
     }
     let min = match (int("min_tokens")?, int("min_completion_tokens")?) {
         (Some(a), Some(b)) => Some(a.max(b)),
@@ -294,9 +294,12 @@ fn int_field(obj: &Map<String, Value>, key: &str) -> Result<Option<i64>, String>
     }
 }
 
-fn check_limit(name: &str, limit: i64) -> Result<(), String> {
+/// vLLM 0.34's `SamplingParams` check, whichever field of the request set the limit.
+fn check_limit(limit: i64) -> Result<(), String> {
     if limit < 1 {
-        return Err(format!("{name} must be at least 1, got {limit}."));
+        return Err(format!(
+            "max_tokens must be at least 1, got {limit}. (parameter=max_tokens, value={limit})"
+        ));
     }
     Ok(())
 }
@@ -488,7 +491,7 @@ fn parse_cohere(obj: &Map<String, Value>) -> Result<Parsed, String> {
     if limit < 0 {
         return Err("max_tokens must be non-negative".into());
     }
-    check_limit("max_tokens", limit)?;
+    check_limit(limit)?;
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(stream)) => *stream,
@@ -557,7 +560,7 @@ fn parse_generate(obj: &Map<String, Value>) -> Result<Parsed, String> {
         Some(_) => return Err("sampling_params must be an object".into()),
     };
     let limit = int_field(params, "max_tokens")?.unwrap_or(16);
-    check_limit("max_tokens", limit)?;
+    check_limit(limit)?;
     let min_tokens = int_field(params, "min_tokens")?;
     check_min(min_tokens, limit)?;
     let n = int_field(params, "n")?.unwrap_or(1);
@@ -1199,7 +1202,10 @@ mod tests {
         assert_eq!((p.limit, p.prompt_tokens()), (7, 1));
         assert_eq!(p.fingerprint(), "cbf29ce484222325"); // FNV-1a of ""
         let err = parse(Endpoint::Completions, br#"{"prompt":"a","max_tokens":0}"#).unwrap_err();
-        assert_eq!(err, "max_tokens must be at least 1, got 0.");
+        assert_eq!(
+            err,
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+        );
     }
 
     #[test]
@@ -1502,7 +1508,10 @@ mod tests {
             "token_ids is required"
         );
         let body = json!({"token_ids": [1], "sampling_params": {"max_tokens": 0}});
-        assert_eq!(parse_err(g, body), "max_tokens must be at least 1, got 0.");
+        assert_eq!(
+            parse_err(g, body),
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+        );
         let body = json!({"token_ids": [1], "sampling_params": {"max_tokens": 2, "min_tokens": 3}});
         assert_eq!(
             parse_err(g, body),

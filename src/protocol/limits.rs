@@ -121,7 +121,9 @@ fn check_limit(limit: Option<i64>) -> Result<(), ClientError> {
     match limit {
         Some(limit) if limit < 1 => Err(ClientError::invalid_field(
             "max_tokens",
-            format!("max_tokens must be at least 1, got {limit}."),
+            format!(
+                "max_tokens must be at least 1, got {limit}. (parameter=max_tokens, value={limit})"
+            ),
         )),
         _ => Ok(()),
     }
@@ -276,25 +278,25 @@ mod tests {
                 Api::Completions,
                 r#"{"prompt":"hi","max_tokens":0}"#,
                 "max_tokens",
-                "max_tokens must be at least 1, got 0.",
+                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
             ),
             (
                 Api::ChatCompletions,
                 r#"{"messages":[],"max_completion_tokens":-3}"#,
                 "max_tokens",
-                "max_tokens must be at least 1, got -3.",
+                "max_tokens must be at least 1, got -3. (parameter=max_tokens, value=-3)",
             ),
             (
                 Api::ChatCompletions,
                 r#"{"messages":[],"max_tokens":0}"#,
                 "max_tokens",
-                "max_tokens must be at least 1, got 0.",
+                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
             ),
             (
                 Api::Responses,
                 r#"{"input":"hi","max_output_tokens":0}"#,
                 "max_tokens",
-                "max_tokens must be at least 1, got 0.",
+                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
             ),
             (
                 Api::Completions,
@@ -347,7 +349,7 @@ mod tests {
             (
                 r#"{"token_ids":[1],"sampling_params":{"max_tokens":0}}"#,
                 Some("max_tokens"),
-                "max_tokens must be at least 1, got 0.",
+                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
             ),
             (
                 r#"{"token_ids":[1],"sampling_params":{"n":0}}"#,
@@ -418,7 +420,10 @@ mod tests {
         assert_eq!(message, "max_tokens must be non-negative");
         let (param, message) = refusal(Api::CohereChat, r#"{"messages":[],"max_tokens":0}"#);
         assert_eq!(param, Some("max_tokens"));
-        assert_eq!(message, "max_tokens must be at least 1, got 0.");
+        assert_eq!(
+            message,
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+        );
         for body in [
             r#"{"messages":[],"max_tokens":1}"#,
             r#"{"messages":[],"max_tokens":"-1"}"#,
