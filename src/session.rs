@@ -198,7 +198,7 @@ pub fn reply_without_configuration() -> LocalReply {
     LocalReply {
         status: error.status,
         headers: vec![("content-type".to_owned(), "application/json".to_owned())],
-        body: error.body_for(None),
+        body: error.body_for(None, ""),
     }
 }
 
@@ -399,7 +399,7 @@ impl Session {
         Command::SendReply(LocalReply {
             status: error.status,
             headers,
-            body: error.body_for(self.api),
+            body: error.body_for(self.api, &self.request_id),
         })
     }
 }

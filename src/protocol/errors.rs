@@ -123,17 +123,30 @@ impl ClientError {
     }
 
     /// The body for a client of `api`. vLLM answers Anthropic's shape on the Messages API,
-    /// whose SDKs read `error.type` in Anthropic's words, and Cohere's (`{"message"}`) on the
-    /// Cohere-style API; the OpenAI shape elsewhere.
-    pub fn body_for(&self, api: Option<Api>) -> Vec<u8> {
+    /// whose SDKs read `error.type` in Anthropic's words, and Cohere's (`{"message","id"}`,
+    /// the id being the request's, where it has one) on the Cohere-style API; the OpenAI
+    /// shape elsewhere.
+    pub fn body_for(&self, api: Option<Api>, request_id: &str) -> Vec<u8> {
         match api {
             _ if self.verbatim.is_some() => self.to_json(),
             Some(Api::Messages) => self.to_anthropic_json(),
-            Some(Api::CohereChat) => serde_json::json!({ "message": self.message })
-                .to_string()
-                .into_bytes(),
+            Some(Api::CohereChat) => self.to_cohere_json(request_id),
             _ => self.to_json(),
         }
+    }
+
+    fn to_cohere_json(&self, request_id: &str) -> Vec<u8> {
+        #[derive(serde::Serialize)]
+        struct CohereError<'a> {
+            message: &'a str,
+            #[serde(skip_serializing_if = "str::is_empty")]
+            id: &'a str,
+        }
+        let body = CohereError {
+            message: &self.message,
+            id: request_id,
+        };
+        serde_json::to_vec(&body).unwrap_or_else(|_| br#"{"message":"pd-filter error"}"#.to_vec())
     }
 
     /// In vLLM's member order (`json!` would sort the keys).
@@ -239,7 +252,7 @@ mod tests {
 
     #[test]
     fn messages_clients_get_anthropics_shape() {
-        let body = ClientError::bad_request("no").body_for(Some(Api::Messages));
+        let body = ClientError::bad_request("no").body_for(Some(Api::Messages), "");
         assert_eq!(
             String::from_utf8(body).unwrap(),
             r#"{"type":"error","error":{"type":"invalid_request_error","message":"no"}}"#
@@ -251,29 +264,33 @@ mod tests {
             (503, "overloaded_error"),
             (504, "api_error"),
         ] {
-            let body = ClientError::new(status, "x").body_for(Some(Api::Messages));
+            let body = ClientError::new(status, "x").body_for(Some(Api::Messages), "");
             let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
             assert_eq!(body["error"]["type"], kind, "{status}");
         }
         let openai = ClientError::bad_request("no");
         assert_eq!(
-            openai.body_for(Some(Api::ChatCompletions)),
+            openai.body_for(Some(Api::ChatCompletions), ""),
             openai.to_json()
         );
-        assert_eq!(openai.body_for(None), openai.to_json());
+        assert_eq!(openai.body_for(None, ""), openai.to_json());
         let verbatim = ClientError {
             verbatim: Some(b"as written".to_vec()),
             ..ClientError::bad_request("no")
         };
-        assert_eq!(verbatim.body_for(Some(Api::Messages)), b"as written");
+        assert_eq!(verbatim.body_for(Some(Api::Messages), ""), b"as written");
     }
 
     #[test]
     fn cohere_clients_get_cohere_shape() {
-        let body = ClientError::new(413, "too \"big\"").body_for(Some(Api::CohereChat));
+        let error = ClientError::new(413, "too \"big\"");
         assert_eq!(
-            String::from_utf8(body).unwrap(),
+            String::from_utf8(error.body_for(Some(Api::CohereChat), "")).unwrap(),
             r#"{"message":"too \"big\""}"#
+        );
+        assert_eq!(
+            String::from_utf8(error.body_for(Some(Api::CohereChat), "r-1")).unwrap(),
+            r#"{"message":"too \"big\"","id":"r-1"}"#
         );
     }
 
