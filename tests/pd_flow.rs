@@ -303,6 +303,14 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
                 "message": "max_tokens must be positive"}}),
         ),
         (
+            "messages-thinking-budget",
+            "/v1/messages",
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1024,
+                "thinking":{"type":"enabled","budget_tokens":1024}}"#,
+            json!({"type": "error", "error": {"type": "invalid_request_error",
+                "message": "thinking.budget_tokens must be less than max_tokens"}}),
+        ),
+        (
             "cohere-negative-limit",
             "/cohere/v2/chat",
             r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":-1}"#,

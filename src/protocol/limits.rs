@@ -53,6 +53,27 @@ fn check_messages_limit(object: &JsonObject) -> Result<(), ClientError> {
             "max_tokens",
             "max_tokens must be positive",
         )),
+        Some(limit) => check_thinking_budget(object, limit),
+        None => Ok(()),
+    }
+}
+
+/// Enabled thinking's `budget_tokens` against `max_tokens`, which vLLM (0.33 and 0.34)
+/// checks on every request but a prefill leg's: a request that fails it would be prefilled,
+/// then refused by decode.
+fn check_thinking_budget(object: &JsonObject, limit: i64) -> Result<(), ClientError> {
+    let Some(thinking) = object
+        .last_value("thinking")
+        .and_then(|value| JsonObject::parse(value).ok())
+    else {
+        return Ok(());
+    };
+    let enabled = thinking.last_value("type") == Some(br#""enabled""#.as_slice());
+    match integer(&thinking, "budget_tokens") {
+        Some(budget) if enabled && budget >= limit => Err(ClientError::invalid_field(
+            "thinking",
+            "thinking.budget_tokens must be less than max_tokens",
+        )),
         _ => Ok(()),
     }
 }
@@ -330,6 +351,33 @@ mod tests {
                 refusal(Api::Messages, body),
                 (Some("max_tokens"), "max_tokens must be positive".to_owned())
             );
+        }
+    }
+
+    #[test]
+    fn messages_thinking_must_leave_room_for_the_answer() {
+        for body in [
+            r#"{"messages":[],"max_tokens":1024,"thinking":{"type":"enabled","budget_tokens":1024}}"#,
+            r#"{"messages":[],"max_tokens":2000,"thinking":{"budget_tokens":4096,"type":"enabled"}}"#,
+        ] {
+            assert_eq!(
+                refusal(Api::Messages, body),
+                (
+                    Some("thinking"),
+                    "thinking.budget_tokens must be less than max_tokens".to_owned()
+                ),
+                "{body}"
+            );
+        }
+        for body in [
+            r#"{"messages":[],"max_tokens":2048,"thinking":{"type":"enabled","budget_tokens":1024}}"#,
+            r#"{"messages":[],"max_tokens":100,"thinking":{"type":"disabled"}}"#,
+            r#"{"messages":[],"max_tokens":100,"thinking":{"type":"adaptive","budget_tokens":4096}}"#,
+            r#"{"messages":[],"max_tokens":100,"thinking":{"type":"enabled","budget_tokens":"4096"}}"#,
+            r#"{"messages":[],"max_tokens":100,"thinking":null}"#,
+            r#"{"messages":[],"max_tokens":"100","thinking":{"type":"enabled","budget_tokens":4096}}"#,
+        ] {
+            assert_eq!(check(Api::Messages, body), Ok(()), "{body}");
         }
     }
 
