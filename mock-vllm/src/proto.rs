@@ -104,8 +104,8 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
     // without one, or completions' `max_tokens: null`: an absent one is 16).
     let set_limit = match endpoint {
         Endpoint::Chat => match int("max_completion_tokens")? {
-            Some(v) => Some(v),
             None => int("max_tokens")?,
+            set => set,
         },
         // max_tokens is not in the Responses schema: only max_output_tokens counts, and
         // without it the limit is "the rest of the context", simulated as 40.
