@@ -789,6 +789,16 @@ impl Answer {
         usage
     }
 
+    /// Completions' and chat's usage in a non-streamed answer: vLLM 0.34 writes its unset
+    /// details there as null, and leaves them out of a stream's usage chunk.
+    fn answer_usage(&self) -> Value {
+        let mut usage = self.usage();
+        if self.cache_writes.is_some() {
+            usage["prompt_tokens_details"]["multimodal_tokens"] = Value::Null;
+        }
+        usage
+    }
+
     fn message_usage(&self, output_tokens: u64) -> Value {
         match self.cache_writes {
             // vLLM 0.33: input_tokens leave out cache reads and writes.
@@ -819,7 +829,7 @@ impl Answer {
                 "model": self.model,
                 "choices": choices(&|i| json!({"index": i, "text": text,
                     "finish_reason": "length", "logprobs": null})),
-                "usage": self.usage(),
+                "usage": self.answer_usage(),
             }),
             Endpoint::Chat => json!({
                 "id": self.id, "object": "chat.completion", "created": self.created,
@@ -827,7 +837,7 @@ impl Answer {
                 "choices": choices(&|i| json!({"index": i,
                     "message": {"role": "assistant", "content": text},
                     "finish_reason": "length", "logprobs": null})),
-                "usage": self.usage(),
+                "usage": self.answer_usage(),
             }),
             Endpoint::Responses => json!({
                 "id": self.id, "object": "response", "created_at": self.created,

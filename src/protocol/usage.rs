@@ -19,6 +19,10 @@ pub struct PromptUsage {
     pub prompt_tokens: u64,
     /// Prefill's other members of the prompt's side of its usage, as it wrote them.
     members: Vec<(&'static str, Vec<u8>)>,
+    /// `members` as a completions or chat stream writes them, where that differs: vLLM
+    /// leaves null members out of a stream's usage chunk (prefill's answer, not streamed,
+    /// has them, `"multimodal_tokens":null` say).
+    streamed_members: Option<Vec<(&'static str, Vec<u8>)>>,
     /// How many prompt tokens decode counted in the usage the last merge read: noted there,
     /// where decode's usage is parsed anyway, for [`PromptUsage::decode_counted_another`].
     /// Not part of what prefill counted (equality leaves it out).
@@ -132,12 +136,49 @@ fn prompt_usage_in(api: Api, usage: &[u8]) -> Option<PromptUsage> {
             let value = usage.last_value(key).filter(|value| *value != b"null")?;
             Some((key, value.to_vec()))
         })
+        .collect::<Vec<_>>();
+    let without_nulls: Vec<Option<Vec<u8>>> = members
+        .iter()
+        .map(|(_, value)| without_null_members(value))
         .collect();
+    let streamed_members = without_nulls.iter().any(Option::is_some).then(|| {
+        members
+            .iter()
+            .zip(without_nulls)
+            .map(|((key, value), without)| (*key, without.unwrap_or_else(|| value.clone())))
+            .collect()
+    });
     Some(PromptUsage {
         prompt_tokens: as_count(usage.last_value(fields.prompt)?)?,
         members,
+        streamed_members,
         decode_prompt: Cell::new(None),
     })
+}
+
+/// An object's text without its members whose value is `null`; `None` when it has none (or
+/// is not an object).
+fn without_null_members(value: &[u8]) -> Option<Vec<u8>> {
+    static FINDER: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"null"));
+    if !value.starts_with(b"{") || FINDER.find(value).is_none() {
+        return None;
+    }
+    let object = JsonObject::parse(value).ok()?;
+    let is_null = |key: &str| object.last_value(key) == Some(b"null".as_slice());
+    if !object.members().iter().any(|member| is_null(&member.key)) {
+        return None;
+    }
+    let splice = object.splice(
+        |key| {
+            if is_null(key) {
+                Edit::Remove
+            } else {
+                Edit::Keep
+            }
+        },
+        &[],
+    );
+    Some(splice.write(value, b""))
 }
 
 /// Whether `object` counts any prompt tokens as written to the prefix cache.
@@ -185,8 +226,12 @@ pub fn decode_counts_prefills_hits(kv_transfer_params: &[u8]) -> bool {
 /// A usage object with prefill's prompt counts; `None` when it is not one to change, or has
 /// them already. Members keep their order and spelling; only the counts change (or are added
 /// where missing).
-fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
+fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage, streamed: bool) -> Option<Vec<u8>> {
     let fields = fields(api)?;
+    let prompt_members = match (&prompt.streamed_members, streamed, api) {
+        (Some(members), true, Api::Completions | Api::ChatCompletions | Api::Generate) => members,
+        _ => &prompt.members,
+    };
     let object = JsonObject::parse(usage).ok()?;
     if fields.prompt_counts_alike {
         let decode_prompt = object.last_value(fields.prompt).and_then(as_count);
@@ -195,21 +240,20 @@ fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>>
     let output = as_count(object.last_value(fields.output)?)?;
     let prompt_tokens = CountText::new(prompt.prompt_tokens);
     let total = CountText::new(prompt.prompt_tokens.saturating_add(output));
-    let mut values: Vec<(&str, &[u8])> = Vec::with_capacity(3 + prompt.members.len());
+    let mut values: Vec<(&str, &[u8])> = Vec::with_capacity(3 + prompt_members.len());
     values.push((fields.prompt, prompt_tokens.as_bytes()));
     if let Some(name) = fields.total {
         values.push((name, total.as_bytes()));
     }
     values.extend(
-        prompt
-            .members
+        prompt_members
             .iter()
             .map(|(key, value)| (*key, value.as_slice())),
     );
     // Prefill reports no details but decode does: decode's cache hits are prefill's KV.
     let details_without_hits;
     if let Some(name) = fields.details {
-        let prefills = prompt.members.iter().any(|(key, _)| *key == name);
+        let prefills = prompt_members.iter().any(|(key, _)| *key == name);
         let decodes = object
             .last_value(name)
             .filter(|details| details.starts_with(b"{"));
@@ -351,7 +395,9 @@ fn replace_member_parsed(
 /// to change (no usage, or usage that already counts as prefill did), and the answer goes as
 /// it is.
 pub fn merge_answer(api: Api, answer: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
-    replace_member(answer, "usage", |usage| merged_usage(api, usage, prompt))
+    replace_member(answer, "usage", |usage| {
+        merged_usage(api, usage, prompt, false)
+    })
 }
 
 /// One server-sent event (without its blank line) with prefill's prompt counts, where it
@@ -369,18 +415,26 @@ pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u
     let json = data.get(lead..)?;
     let merged = match api {
         Api::Responses => replace_member(json, "response", |response| {
-            replace_member(response, "usage", |usage| merged_usage(api, usage, prompt))
+            replace_member(response, "usage", |usage| {
+                merged_usage(api, usage, prompt, true)
+            })
         })?,
         Api::Completions | Api::ChatCompletions | Api::Generate | Api::CohereChat => {
-            replace_member(json, "usage", |usage| merged_usage(api, usage, prompt))?
+            replace_member(json, "usage", |usage| {
+                merged_usage(api, usage, prompt, true)
+            })?
         }
         // `message_start` counts in its message, `message_delta` at the top.
-        Api::Messages => replace_member(json, "usage", |usage| merged_usage(api, usage, prompt))
-            .or_else(|| {
-                replace_member(json, "message", |message| {
-                    replace_member(message, "usage", |usage| merged_usage(api, usage, prompt))
+        Api::Messages => replace_member(json, "usage", |usage| {
+            merged_usage(api, usage, prompt, true)
+        })
+        .or_else(|| {
+            replace_member(json, "message", |message| {
+                replace_member(message, "usage", |usage| {
+                    merged_usage(api, usage, prompt, true)
                 })
-            })?,
+            })
+        })?,
     };
     let mut out = Vec::with_capacity(event.len() + 32);
     out.extend_from_slice(event.get(..start + lead)?);
@@ -796,6 +850,7 @@ mod tests {
             Some(PromptUsage {
                 prompt_tokens: 7,
                 members: vec![],
+                streamed_members: None,
                 decode_prompt: Cell::new(None),
             })
         );
@@ -961,6 +1016,35 @@ mod tests {
             merged["usage"]["prompt_tokens_details"],
             json!({"audio_tokens":0,"cached_tokens":0})
         );
+    }
+
+    #[test]
+    fn a_streams_usage_chunk_leaves_out_prefills_null_details_as_vllm_streams_do() {
+        // vLLM 0.34 writes a non-streamed answer's nulls, and leaves them out of the usage
+        // chunk of a completions or chat stream (and of nothing else).
+        let prefill_answer = br#"{"usage":{"prompt_tokens":12,"completion_tokens":1,"total_tokens":13,"prompt_tokens_details":{"cached_tokens":2,"created_cache_tokens":null,"multimodal_tokens":null}}}"#;
+        let usage = br#"{"usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{"cached_tokens":12}}}"#;
+        let stream_event = [b"data: ".as_slice(), usage].concat();
+        for api in [Api::Completions, Api::ChatCompletions] {
+            let prompt = prompt_usage(api, prefill_answer).unwrap();
+            let streamed = merge_event(api, &stream_event, &prompt).unwrap();
+            assert_eq!(
+                String::from_utf8(streamed).unwrap(),
+                r#"data: {"usage":{"prompt_tokens":12,"completion_tokens":5,"total_tokens":17,"prompt_tokens_details":{"cached_tokens":2}}}"#
+            );
+            let answer = merge_answer(api, usage, &prompt).unwrap();
+            assert_eq!(
+                value(&answer)["usage"]["prompt_tokens_details"],
+                json!({"cached_tokens":2,"created_cache_tokens":null,"multimodal_tokens":null})
+            );
+        }
+        let responses_prefill = br#"{"usage":{"input_tokens":12,"output_tokens":1,"total_tokens":13,"input_tokens_details":{"cached_tokens":2,"cache_write_tokens":null}}}"#;
+        let prompt = prompt_usage(Api::Responses, responses_prefill).unwrap();
+        let completed = br#"data: {"type":"response.completed","response":{"usage":{"input_tokens":12,"output_tokens":5,"total_tokens":17,"input_tokens_details":{"cached_tokens":12}}}}"#;
+        let merged = merge_event(Api::Responses, completed, &prompt).unwrap();
+        assert!(String::from_utf8(merged)
+            .unwrap()
+            .contains(r#""cache_write_tokens":null"#));
     }
 
     fn answer_with_hits() -> &'static [u8] {
