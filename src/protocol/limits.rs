@@ -68,7 +68,12 @@ fn check_thinking_budget(object: &JsonObject, limit: i64) -> Result<(), ClientEr
     else {
         return Ok(());
     };
-    let enabled = thinking.last_value("type") == Some(br#""enabled""#.as_slice());
+    // Read as vLLM reads it, escapes and all (`"\u0065nabled"` is `enabled`).
+    let enabled = thinking
+        .last_value("type")
+        .filter(|value| value.len() <= 64)
+        .and_then(|value| serde_json::from_slice::<String>(value).ok())
+        .is_some_and(|kind| kind == "enabled");
     match integer(&thinking, "budget_tokens") {
         Some(budget) if enabled && budget >= limit => Err(ClientError::invalid_field(
             "thinking",
@@ -359,6 +364,7 @@ mod tests {
         for body in [
             r#"{"messages":[],"max_tokens":1024,"thinking":{"type":"enabled","budget_tokens":1024}}"#,
             r#"{"messages":[],"max_tokens":2000,"thinking":{"budget_tokens":4096,"type":"enabled"}}"#,
+            r#"{"messages":[],"max_tokens":20,"thinking":{"type":"\u0065nabled","budget_\u0074okens":20}}"#,
         ] {
             assert_eq!(
                 refusal(Api::Messages, body),
