@@ -381,12 +381,27 @@ impl Session {
         commands
     }
 
-    fn reply(&mut self, error: &ClientError) -> Command {
+    /// An answer of the filter's own that is not an error: `body` is JSON.
+    fn reply_with(&mut self, status: u16, body: Vec<u8>) -> Command {
         self.state = State::Answered;
+        Command::SendReply(LocalReply {
+            status,
+            headers: self.reply_headers(),
+            body,
+        })
+    }
+
+    fn reply_headers(&self) -> Vec<(String, String)> {
         let mut headers = vec![("content-type".to_owned(), "application/json".to_owned())];
         if !self.request_id.is_empty() {
             headers.push(("x-request-id".to_owned(), self.request_id.clone()));
         }
+        headers
+    }
+
+    fn reply(&mut self, error: &ClientError) -> Command {
+        self.state = State::Answered;
+        let mut headers = self.reply_headers();
         // A 503 is worth trying again shortly (prefill's pool full or unreachable, the VM's
         // budget spent): clients that read retry-after wait a second rather than their own
         // backoff, unless prefill said how long.

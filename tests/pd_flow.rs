@@ -144,6 +144,34 @@ async fn a_first_token_that_would_stop_prefill_still_hands_its_kv_to_decode() {
 /// What vLLM cannot serve split in two gets a 400 that says why, before any worker is
 /// called: neither prefill's KV nor decode's compute is spent on it.
 #[tokio::test]
+async fn a_one_token_echo_with_logprobs_is_answered_by_prefill_alone() {
+    // lm-eval's loglikelihood requests (`max_tokens` 1; 0 in older releases): the prompt's
+    // logprobs only prefill computes, and its answer holds the whole generation.
+    let h = harness();
+    for limit in [1, 0] {
+        let original = format!(
+            r#"{{"model":"m","prompt":"the quick brown fox","echo":true,"logprobs":1,"max_tokens":{limit},"temperature":0}}"#
+        );
+        let id = unique_id("echo-logprobs");
+        let reply = Request::post("default", COMPLETIONS)
+            .id(&id)
+            .body(original.clone())
+            .send()
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-request-id"), Some(id.as_str()));
+        let answer = reply.json();
+        assert!(
+            answer["choices"][0]["prompt_logprobs"].is_array(),
+            "{answer}"
+        );
+        assert_eq!(answer["usage"]["completion_tokens"], limit, "{answer}");
+        assert_eq!(h.only_prefill(&id).body, original.as_bytes());
+        assert!(h.decode_requests(&id).is_empty());
+    }
+}
+
+#[tokio::test]
 async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
     let h = harness();
     for (label, path, body, text) in [
@@ -168,7 +196,7 @@ async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
         (
             "echo-logprobs",
             COMPLETIONS,
-            r#"{"prompt":"a b","echo":true,"logprobs":1}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":2}"#,
             "echo with logprobs cannot be served",
         ),
         // vLLM serves the embeddings and then the prompt, even an empty one, as two.

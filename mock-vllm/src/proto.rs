@@ -116,7 +116,11 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
             Some(_) => int("max_tokens")?,
         },
     };
-    if let Some(limit) = set_limit {
+    // vLLM takes completions' `max_tokens: 0` with `echo` as the prompt alone.
+    let echo_alone = endpoint == Endpoint::Completions
+        && set_limit == Some(0)
+        && obj.get("echo") == Some(&Value::Bool(true));
+    if let Some(limit) = set_limit.filter(|_| !echo_alone) {
         check_limit(limit)?;
     }
     let min = match (int("min_tokens")?, int("min_completion_tokens")?) {

@@ -55,6 +55,11 @@ pub struct PreparedRequest {
     pub decode: DecodePlan,
     /// The body's `model`, when it is a string.
     pub model: Option<String>,
+    /// Prefill's answer is the client's whole answer, and decode is not asked: a completions
+    /// request for echo with logprobs that generates at most one token (lm-eval's
+    /// loglikelihood requests), whose prompt logprobs only prefill computes. Prefill gets the
+    /// client's body, without any `kv_transfer_params`, so it keeps no KV for decode.
+    pub answered_by_prefill: bool,
 }
 
 /// How decode's body is written from the client's, found during the one parse.
@@ -290,11 +295,16 @@ pub fn prepare_with(
              timeout; send one prompt per request",
         ));
     }
-    if api == Api::Completions && echoes_prompt_logprobs(&object) {
+    let answered_by_prefill = api == Api::Completions
+        && echoes_prompt_logprobs(&object)
+        && !streams
+        && generates_at_most_one_token(&object);
+    if api == Api::Completions && echoes_prompt_logprobs(&object) && !answered_by_prefill {
         return Err(ClientError::bad_request(
-            "echo with logprobs cannot be served through prefill/decode disaggregation: the \
-             echoed prompt's logprobs are computed on prefill, and decode's answer would lack \
-             them; ask for prompt_logprobs (not streamed) instead",
+            "echo with logprobs cannot be served through prefill/decode disaggregation beyond \
+             one generated token: the echoed prompt's logprobs are computed on prefill, and \
+             decode's answer would lack them; send max_tokens 0 or 1 without stream (prefill \
+             then answers the whole request), or ask for prompt_logprobs (not streamed)",
         ));
     }
     if api == Api::Generate {
@@ -314,14 +324,23 @@ pub fn prepare_with(
     let streamed = object.is_true("stream");
     // A stream carries no prompt logprobs: vLLM computes them (without its prefix cache)
     // and sends none, so prefill is not asked for them.
-    let prefill_body = one_token_body(
-        api,
-        &object,
-        sampling_params.as_ref(),
-        REMOTE_DECODE_REQUEST,
-        matches!(api, Api::Completions | Api::ChatCompletions) && streamed,
-        options.tool_choice,
-    );
+    let prefill_body = if answered_by_prefill {
+        match object.has(KV_TRANSFER_PARAMS) {
+            true => object
+                .splice_member(KV_TRANSFER_PARAMS, Edit::Remove)
+                .write(object.text(), b""),
+            false => object.text().to_vec(),
+        }
+    } else {
+        one_token_body(
+            api,
+            &object,
+            sampling_params.as_ref(),
+            REMOTE_DECODE_REQUEST,
+            matches!(api, Api::Completions | Api::ChatCompletions) && streamed,
+            options.tool_choice,
+        )
+    };
 
     let has_client_kv = object.has(KV_TRANSFER_PARAMS);
     // Decode on prefill's KV never computes the prompt: its prompt logprobs come from
@@ -363,6 +382,7 @@ pub fn prepare_with(
         prefill_body,
         decode,
         model,
+        answered_by_prefill,
     })
 }
 
@@ -650,6 +670,12 @@ fn streamable_prompt_logprobs(object: &JsonObject) -> bool {
 /// logprobs into each choice's `logprobs`, which decode on prefill's KV cannot compute.
 fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
     object.is_true("echo") && object.is_set("logprobs")
+}
+
+/// Whether a completions request's `max_tokens` is 0 or 1, written as a plain integer: with
+/// `echo`, vLLM then generates no token or one, which prefill's answer holds already.
+fn generates_at_most_one_token(object: &JsonObject) -> bool {
+    matches!(object.last_value("max_tokens"), Some(b"0" | b"1"))
 }
 
 /// Whether a completions request sends several prompts in one. vLLM serves the
@@ -1734,13 +1760,16 @@ mod tests {
     }
 
     #[test]
-    fn completions_echo_with_logprobs_is_refused() {
+    fn completions_echo_with_logprobs_is_answered_by_prefill_or_refused() {
         // vLLM reads echo with logprobs as a request for prompt logprobs, even when the
         // filter removes prompt_logprobs: decode on prefill's KV would fail it.
         for body in [
             r#"{"prompt":"a b","echo":true,"logprobs":0}"#,
             r#"{"prompt":"a b","echo":true,"logprobs":2,"prompt_logprobs":1}"#,
             r#"{"prompt":"a b","echo":true,"logprobs":1,"stream":true}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":2}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"stream":true}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"max_tokens":null}"#,
         ] {
             let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
             assert_eq!(error.status, 400, "{body}");
@@ -1752,7 +1781,28 @@ mod tests {
             r#"{"prompt":"a b","echo":false,"logprobs":3}"#,
             r#"{"prompt":"a b","logprobs":3}"#,
         ] {
-            assert!(prepare(Api::Completions, body.as_bytes()).is_ok(), "{body}");
+            let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
+            assert!(!prepared.answered_by_prefill, "{body}");
+        }
+        // lm-eval's loglikelihood requests: prefill's answer is the whole answer, so prefill
+        // gets the client's body as it is, but for any kv_transfer_params of its own.
+        for (body, prefills) in [
+            (
+                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"temperature":0}"#,
+                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"temperature":0}"#,
+            ),
+            (
+                "\u{feff}{\"prompt\":[1,2],\"max_tokens\":0,\"echo\":true,\"logprobs\":0,\"stream\":false}",
+                r#"{"prompt":[1,2],"max_tokens":0,"echo":true,"logprobs":0,"stream":false}"#,
+            ),
+            (
+                r#"{"kv_transfer_params":{"do_remote_prefill":true},"prompt":"a","echo":true,"logprobs":1,"max_tokens":1}"#,
+                r#"{"prompt":"a","echo":true,"logprobs":1,"max_tokens":1}"#,
+            ),
+        ] {
+            let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
+            assert!(prepared.answered_by_prefill, "{body}");
+            assert_eq!(String::from_utf8(prepared.prefill_body).unwrap(), prefills);
         }
     }
 

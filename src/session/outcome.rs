@@ -7,6 +7,8 @@ pub enum Outcome {
     Decoded,
     /// Sent to decode without them: decode recomputes the prompt.
     DecodeOnly,
+    /// Answered by prefill alone: its answer was the whole answer.
+    PrefillAnswered,
     /// Answered 4xx because of the request: by the filter itself, or by prefill.
     ClientError,
     /// Answered 5xx because prefill failed.
@@ -19,9 +21,10 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 6] = [
+    pub const ALL: [Outcome; 7] = [
         Outcome::Decoded,
         Outcome::DecodeOnly,
+        Outcome::PrefillAnswered,
         Outcome::ClientError,
         Outcome::PrefillFailed,
         Outcome::Overloaded,
@@ -32,6 +35,7 @@ impl Outcome {
         match self {
             Outcome::Decoded => "decoded",
             Outcome::DecodeOnly => "decode_only",
+            Outcome::PrefillAnswered => "prefill_answered",
             Outcome::ClientError => "client_error",
             Outcome::PrefillFailed => "prefill_failed",
             Outcome::Overloaded => "overloaded",
@@ -49,13 +53,16 @@ pub enum PrefillResult {
     NoKv,
     /// No usable answer, after the retries.
     Failed,
+    /// A 2xx answer that is the client's whole answer.
+    Answered,
 }
 
 impl PrefillResult {
-    pub const ALL: [PrefillResult; 3] = [
+    pub const ALL: [PrefillResult; 4] = [
         PrefillResult::Kv,
         PrefillResult::NoKv,
         PrefillResult::Failed,
+        PrefillResult::Answered,
     ];
 
     pub fn name(self) -> &'static str {
@@ -63,6 +70,7 @@ impl PrefillResult {
             PrefillResult::Kv => "kv",
             PrefillResult::NoKv => "no_kv",
             PrefillResult::Failed => "failed",
+            PrefillResult::Answered => "answered",
         }
     }
 }

@@ -98,6 +98,8 @@ pub(super) struct Prefill {
     pub(super) original: HeldBody,
     pub(super) model: Option<String>,
     pub(super) decode: DecodePlan,
+    /// Prefill's 2xx answer goes to the client as it is ([`PreparedRequest::answered_by_prefill`]).
+    pub(super) answered_by_prefill: bool,
     pub(super) cluster: Rc<str>,
     pub(super) prefill_headers: Rc<[(String, String)]>,
     /// The VM's budget the headers, model and request id take: a client's headers can be
@@ -224,6 +226,7 @@ impl Session {
             original,
             model,
             decode: prepared.decode,
+            answered_by_prefill: prepared.answered_by_prefill,
             cluster,
             prefill_headers: Rc::from(pending.prefill_headers),
             headers_held,
@@ -312,6 +315,9 @@ impl Session {
                 return Vec::new();
             }
         };
+        if prefill.answered_by_prefill && matches!(status, Some(200..=299)) {
+            return self.answer_from_prefill(prefill, status.unwrap_or(200), body, now);
+        }
         match read(body) {
             PrefillAnswer::KvTransferParams(handed) => {
                 self.resume_with_kv(prefill, handed, body, &config, now)
@@ -391,6 +397,25 @@ impl Session {
             prompt_logprobs: held_logprobs,
             answer: AnswerRewrite::Untouched,
         };
+        commands
+    }
+
+    /// Prefill's answer as the client's whole answer: decode is not asked.
+    fn answer_from_prefill(
+        &mut self,
+        prefill: Prefill,
+        status: u16,
+        body: &[u8],
+        now: SystemTime,
+    ) -> Vec<Command> {
+        log::debug!(
+            "[{}] prefill answered in {:?}: its answer is the whole answer",
+            self.request_id,
+            prefill.elapsed(now)
+        );
+        let mut commands = self.prefill_time(&prefill, now, PrefillResult::Answered);
+        commands.extend(self.outcome(Outcome::PrefillAnswered));
+        commands.push(self.reply_with(status, body.to_vec()));
         commands
     }
 

@@ -2585,3 +2585,48 @@ fn a_stream_reaches_the_client_whole_whatever_its_chunks_and_the_limit() {
         "{merges} merged, {given_up} given up"
     );
 }
+
+#[test]
+fn prefills_answer_is_the_whole_answer_to_a_one_token_echo_with_logprobs() {
+    // lm-eval's loglikelihood requests: the prompt's logprobs are prefill's, and the one
+    // token asked for is in its answer too.
+    let body = r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1}"#;
+    let mut s = session("{}");
+    let step = send(&mut s, &post("/v1/completions"), body);
+    assert_eq!(
+        String::from_utf8_lossy(&dispatched(&step.commands).body),
+        body
+    );
+    s.on_prefill_dispatched(Some(1), at(0));
+    let answer = br#"{"id":"cmpl-1","choices":[{"text":"a b c","logprobs":{"tokens":["a"," b"," c"]}}],"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3},"kv_transfer_params":null}"#;
+    let commands = s.on_prefill_answer(1, Some(200), answer, at(5));
+    let sent = commands
+        .iter()
+        .find_map(|c| match c {
+            Command::SendReply(reply) => Some(reply),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(sent.status, 200);
+    assert_eq!(sent.body, answer);
+    assert!(sent
+        .headers
+        .contains(&("x-request-id".to_owned(), "req-1".to_owned())));
+    assert!(!commands.contains(&Command::ResumeRequest));
+    assert_eq!(
+        recorded(&commands),
+        vec![
+            Metric::PrefillLatency(PrefillResult::Answered, Duration::ZERO),
+            Metric::Request(Api::Completions, Outcome::PrefillAnswered),
+        ]
+    );
+    // Prefill's refusal is still passed on as vLLM wrote it.
+    let mut s = prefilling_body("{}", body);
+    let refusal =
+        br#"{"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}"#;
+    let (status, error) = reply(&s.on_prefill_answer(1, Some(400), refusal, at(5)));
+    assert_eq!(
+        (status, error["error"]["message"].as_str()),
+        (400, Some("bad"))
+    );
+}
