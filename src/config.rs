@@ -695,6 +695,9 @@ const MUST_BE_ABOVE_ZERO: [&str; 3] = [
     "kv_release_timeout_ms",
 ];
 
+/// The longest timeout Envoy sends a call with, in milliseconds.
+const LONGEST_CALL_MS: u64 = i32::MAX as u64;
+
 const SHAPES: &[(&str, Shape)] = &[
     ("model_prefill_clusters", Shape::TextMap),
     ("model_header", Shape::OptionalText),
@@ -709,7 +712,9 @@ const SHAPES: &[(&str, Shape)] = &[
     ),
     ("replace_local_remote_host", Shape::Flag),
     ("prefill_cluster", Shape::Text),
-    ("prefill_timeout_ms", Shape::Count(u32::MAX as u64)),
+    // Envoy takes a callout's timeout as a signed 32-bit count of milliseconds, and
+    // refuses a call with a longer one as if the cluster were missing.
+    ("prefill_timeout_ms", Shape::Count(LONGEST_CALL_MS)),
     ("paths", Shape::TextList),
     ("kv_stripped_paths", Shape::TextList),
     ("max_request_body_bytes", Shape::Count(u32::MAX as u64)),
@@ -731,7 +736,7 @@ const SHAPES: &[(&str, Shape)] = &[
     ("decode_cluster", Shape::Text),
     ("model_decode_clusters", Shape::TextMap),
     ("max_kv_releases_in_flight", Shape::Count(u32::MAX as u64)),
-    ("kv_release_timeout_ms", Shape::Count(u32::MAX as u64)),
+    ("kv_release_timeout_ms", Shape::Count(LONGEST_CALL_MS)),
     (
         "max_abandoned_prefills_per_client",
         Shape::Count(u32::MAX as u64),
@@ -883,11 +888,18 @@ mod tests {
             let error = Config::from_json(config.as_bytes()).unwrap_err();
             assert!(error.0.contains(said), "{config}: {}", error.0);
         }
-        let longest = Config::from_json(br#"{"prefill_timeout_ms":4294967295}"#).unwrap();
+        let longest = Config::from_json(br#"{"prefill_timeout_ms":2147483647}"#).unwrap();
         assert_eq!(
             longest.prefill_timeout,
-            Duration::from_millis(u64::from(u32::MAX))
+            Duration::from_millis(2_147_483_647)
         );
+        for too_long in [
+            r#"{"prefill_timeout_ms":2147483648}"#,
+            r#"{"kv_release_timeout_ms":2147483648}"#,
+        ] {
+            let error = Config::from_json(too_long.as_bytes()).unwrap_err();
+            assert!(error.0.contains("2147483647"), "{too_long}: {}", error.0);
+        }
         // A path listed twice is one path.
         let twice = br#"{"paths":["/v1/completions","/v1/completions"]}"#;
         assert_eq!(

@@ -156,6 +156,13 @@ fn log_level(level: u32) -> Option<LogLevel> {
     })
 }
 
+/// Follows Envoy's level, so that debug lines cost nothing per request unless asked for.
+fn follow_envoys_log_level() {
+    if let Some(level) = host::log_level().ok().and_then(log_level) {
+        logger::set_level(level);
+    }
+}
+
 /// A release's first attempt, from now.
 fn first_attempt() -> Attempt {
     Attempt::first(host::now().unwrap_or(UNIX_EPOCH))
@@ -765,10 +772,7 @@ impl RootContext for PdRoot {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
         let bytes =
             host::buffer(BufferType::PluginConfiguration, 0, usize::MAX).unwrap_or_default();
-        // Follow Envoy's level, so that debug lines cost nothing per request unless asked for.
-        if let Some(level) = host::log_level().ok().and_then(log_level) {
-            logger::set_level(level);
-        }
+        follow_envoys_log_level();
         let _ = self.worker.stats.get_or_init(Stats::define);
         if self.worker.queue.get().is_none() {
             // One queue per worker: a name shared by workers would hand calls across threads.
@@ -836,6 +840,9 @@ impl RootContext for PdRoot {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        // Read again for each request: an operator who turns on `wasm:debug` at run time
+        // (Envoy's /logging, `istioctl proxy-config log`) gets the next request's lines.
+        follow_envoys_log_level();
         let Some(config) = self.config.clone() else {
             return Some(Box::new(Unconfigured));
         };
