@@ -1580,8 +1580,14 @@ fn hardening_errors(config: &Value) -> Vec<String> {
                 prefill_timeout_s + 60.0
             )),
         }
-        if !seconds(&hcm["stream_idle_timeout"]).is_some_and(|s| s > 0.0) {
-            error("no stream_idle_timeout".to_owned());
+        // The idle timer runs while prefill works: below the prefill timeout, a long prefill
+        // gets Envoy's 504 instead of the filter's answer.
+        match seconds(&hcm["stream_idle_timeout"]) {
+            Some(s) if s > prefill_timeout_s => {}
+            _ => error(format!(
+                "stream_idle_timeout {} (want above prefill_timeout_ms = {}s)",
+                hcm["stream_idle_timeout"], prefill_timeout_s
+            )),
         }
 
         // HTTP/2: bounded streams per connection and flow-control windows.
@@ -1868,6 +1874,11 @@ fn weakened_envoy_configs_are_caught() {
             "a request timeout inside the prefill budget",
             "request_timeout",
             |c| first_hcm(c)["request_timeout"] = json!("120s"),
+        ),
+        (
+            "an idle timeout inside the prefill budget",
+            "stream_idle_timeout",
+            |c| first_hcm(c)["stream_idle_timeout"] = json!("60s"),
         ),
         ("unbounded HTTP/2 streams", "max_concurrent_streams", |c| {
             first_hcm(c)["http2_protocol_options"]
