@@ -519,8 +519,12 @@ impl Config {
         let raw: RawConfig = if bytes.iter().all(u8::is_ascii_whitespace) {
             RawConfig::default()
         } else {
-            let value: serde_json::Value = serde_json::from_slice(bytes)
-                .map_err(|e| ConfigError(format!("the configuration is not valid JSON ({e})")))?;
+            let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
+                ConfigError(format!(
+                    "the configuration is not valid JSON ({e}); in Envoy, give it as a \
+                     google.protobuf.StringValue holding the JSON text"
+                ))
+            })?;
             check_no_repeated_keys(bytes)?;
             check_shapes(&value)?;
             serde_json::from_value(value).map_err(|e| ConfigError(e.to_string()))?
