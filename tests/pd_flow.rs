@@ -148,12 +148,14 @@ async fn a_one_token_echo_with_logprobs_is_answered_by_prefill_alone() {
     // lm-eval's loglikelihood requests (`max_tokens` 1; 0 in older releases): the prompt's
     // logprobs only prefill computes, and its answer holds the whole generation.
     let h = harness();
-    for limit in [1, 0] {
+    // Headers held until prefill has answered (as envoy.yaml ships), and passed at once (as
+    // under Istio, where decode has the request's headers while prefill works).
+    for (listener, limit) in [("default", 1), ("default", 0), ("usage_decode", 1)] {
         let original = format!(
             r#"{{"model":"m","prompt":"the quick brown fox","echo":true,"logprobs":1,"max_tokens":{limit},"temperature":0}}"#
         );
         let id = unique_id("echo-logprobs");
-        let reply = Request::post("default", COMPLETIONS)
+        let reply = Request::post(listener, COMPLETIONS)
             .id(&id)
             .body(original.clone())
             .send()
