@@ -324,13 +324,12 @@ pub fn prepare_with(
     let streamed = object.is_true("stream");
     // A stream carries no prompt logprobs: vLLM computes them (without its prefix cache)
     // and sends none, so prefill is not asked for them.
-    let prefill_body = if answered_by_prefill {
-        match object.has(KV_TRANSFER_PARAMS) {
-            true => object
-                .splice_member(KV_TRANSFER_PARAMS, Edit::Remove)
-                .write(object.text(), b""),
-            false => object.text().to_vec(),
-        }
+    let prefill_body = if answered_by_prefill && object.has(KV_TRANSFER_PARAMS) {
+        object
+            .splice_member(KV_TRANSFER_PARAMS, Edit::Remove)
+            .write(object.text(), b"")
+    } else if answered_by_prefill {
+        object.text().to_vec()
     } else {
         one_token_body(
             api,
