@@ -171,6 +171,22 @@ async fn a_one_token_echo_with_logprobs_is_answered_by_prefill_alone() {
         assert_eq!(h.only_prefill(&id).body, original.as_bytes());
         assert!(h.decode_requests(&id).is_empty());
     }
+    // Envoy writes that answer at once: one larger than the gateway's answer limit is refused.
+    let id = unique_id("echo-logprobs-huge");
+    let reply = Request::post("tight_buffer", COMPLETIONS)
+        .id(&id)
+        .body(
+            r#"{"prompt":"long mock:prefill_huge=100000","echo":true,"logprobs":1,"max_tokens":1}"#,
+        )
+        .send()
+        .await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    let message = reply.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(message.contains("limit of 65536 bytes"), "{message}");
+    assert!(h.decode_requests(&id).is_empty());
 }
 
 #[tokio::test]

@@ -99,6 +99,16 @@ impl ClientError {
         ))
     }
 
+    /// Prefill's answer, which is the client's whole answer, is larger than the gateway
+    /// sends in one piece.
+    pub fn answer_too_large(size: usize, limit: usize) -> ClientError {
+        ClientError::bad_request(format!(
+            "the answer to this request is {size} bytes, more than this gateway's limit of \
+             {limit} bytes for an answer it writes at once; ask for fewer logprobs or a \
+             shorter prompt"
+        ))
+    }
+
     /// A method that is POST in another case (`post`).
     pub fn method_not_post(method: &str) -> ClientError {
         ClientError::new(

@@ -315,8 +315,19 @@ impl Session {
                 return Vec::new();
             }
         };
-        if prefill.answered_by_prefill && matches!(status, Some(200..=299)) {
-            return self.answer_from_prefill(prefill, status.unwrap_or(200), body, now);
+        if let (true, Some(status @ 200..=299)) = (prefill.answered_by_prefill, status) {
+            // Envoy writes a local answer at once, past its flow control: no larger than an
+            // answer the filter would hold to rewrite. One that is not JSON goes the way of
+            // any prefill answer without KV, below.
+            let limit = config.max_request_body_bytes;
+            if body.len() > limit {
+                let mut commands = self.prefill_time(&prefill, now, PrefillResult::Answered);
+                commands.extend(self.reject(&ClientError::answer_too_large(body.len(), limit)));
+                return commands;
+            }
+            if crate::json::JsonObject::parse(body).is_ok() {
+                return self.answer_from_prefill(prefill, status, body, now);
+            }
         }
         match read(body) {
             PrefillAnswer::KvTransferParams(handed) => {

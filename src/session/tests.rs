@@ -2630,3 +2630,25 @@ fn prefills_answer_is_the_whole_answer_to_a_one_token_echo_with_logprobs() {
         (400, Some("bad"))
     );
 }
+
+#[test]
+fn prefills_whole_answer_is_bounded_and_must_be_json() {
+    let body = r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1}"#;
+    // Larger than an answer the gateway writes at once: refused, never resumed to decode.
+    let mut s = prefilling_body(r#"{"max_request_body_bytes":100}"#, body);
+    let large = format!(r#"{{"choices":[{{"text":"{}"}}]}}"#, "x".repeat(200));
+    let commands = s.on_prefill_answer(1, Some(200), large.as_bytes(), at(5));
+    assert!(!commands.contains(&Command::ResumeRequest));
+    let (status, error) = reply(&commands);
+    assert_eq!(status, 400);
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.contains("limit of 100 bytes"), "{message}");
+    // A 2xx that is not JSON is handled as any prefill answer without KV.
+    let mut s = prefilling_body("{}", body);
+    let commands = s.on_prefill_answer(1, Some(200), b"not json", at(5));
+    assert!(!has_reply(&commands));
+    assert_eq!(commands.last(), Some(&Command::ResumeRequest));
+    let mut s = prefilling_body(r#"{"on_missing_kv_transfer_params":"fail"}"#, body);
+    let (status, _) = reply(&s.on_prefill_answer(1, Some(200), b"not json", at(5)));
+    assert_eq!(status, 502);
+}
