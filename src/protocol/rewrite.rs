@@ -295,11 +295,9 @@ pub fn prepare_with(
              timeout; send one prompt per request",
         ));
     }
-    let answered_by_prefill = api == Api::Completions
-        && echoes_prompt_logprobs(&object)
-        && !streams
-        && generates_at_most_one_token(&object);
-    if api == Api::Completions && echoes_prompt_logprobs(&object) && !answered_by_prefill {
+    let echoes = api == Api::Completions && echoes_prompt_logprobs(&object);
+    let answered_by_prefill = echoes && !streams && generates_at_most_one_token(&object);
+    if echoes && !answered_by_prefill {
         return Err(ClientError::bad_request(
             "echo with logprobs cannot be served through prefill/decode disaggregation beyond \
              one generated token: the echoed prompt's logprobs are computed on prefill, and \
@@ -324,12 +322,8 @@ pub fn prepare_with(
     let streamed = object.is_true("stream");
     // A stream carries no prompt logprobs: vLLM computes them (without its prefix cache)
     // and sends none, so prefill is not asked for them.
-    let prefill_body = if answered_by_prefill && object.has(KV_TRANSFER_PARAMS) {
-        object
-            .splice_member(KV_TRANSFER_PARAMS, Edit::Remove)
-            .write(object.text(), b"")
-    } else if answered_by_prefill {
-        object.text().to_vec()
+    let prefill_body = if answered_by_prefill {
+        without_kv_transfer_params(&object).unwrap_or_else(|| object.text().to_vec())
     } else {
         one_token_body(
             api,
@@ -410,11 +404,17 @@ pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientEr
     let text = json_text(body, json_start);
     let object = parse_body(text)?;
     refuse_nested_kv_transfer_params(&object)?;
-    if !object.has(KV_TRANSFER_PARAMS) {
-        return Ok(None);
-    }
-    let splice = object.splice_member(KV_TRANSFER_PARAMS, Edit::Remove);
-    Ok(Some(splice.write(text, b"")))
+    Ok(without_kv_transfer_params(&object))
+}
+
+/// `object`'s text without any `kv_transfer_params`, in any copy or spelling; `None` when it
+/// has none.
+fn without_kv_transfer_params(object: &JsonObject) -> Option<Vec<u8>> {
+    object.has(KV_TRANSFER_PARAMS).then(|| {
+        object
+            .splice_member(KV_TRANSFER_PARAMS, Edit::Remove)
+            .write(object.text(), b"")
+    })
 }
 
 /// vLLM also takes `kv_transfer_params` from `vllm_xargs` (merged over the request's own)
