@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 use crate::api::Api;
 use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy, UsagePolicy};
 use crate::held_bytes::{HeldBytes, Reservation};
+use crate::json::JsonObject;
 use crate::protocol::scheduling::{check_model_for_header, with_reachable_remote_host};
 use crate::protocol::usage::prompt_usage_for_decode;
 use crate::protocol::{
@@ -316,16 +317,10 @@ impl Session {
             }
         };
         if let (true, Some(status @ 200..=299)) = (prefill.answered_by_prefill, status) {
-            // Envoy writes a local answer at once, past its flow control: no larger than an
-            // answer the filter would hold to rewrite. One that is not JSON goes the way of
-            // any prefill answer without KV, below.
-            let limit = config.max_request_body_bytes;
-            if body.len() > limit {
-                let mut commands = self.prefill_time(&prefill, now, PrefillResult::Answered);
-                commands.extend(self.reject(&ClientError::answer_too_large(body.len(), limit)));
-                return commands;
-            }
-            if crate::json::JsonObject::parse(body).is_ok() {
+            // One that is not JSON goes the way of any prefill answer without KV, below (a
+            // too large one is refused unread).
+            let too_large = body.len() > config.max_request_body_bytes;
+            if too_large || JsonObject::parse(body).is_ok() {
                 return self.answer_from_prefill(prefill, status, body, now);
             }
         }
@@ -425,6 +420,13 @@ impl Session {
             prefill.elapsed(now)
         );
         let mut commands = self.prefill_time(&prefill, now, PrefillResult::Answered);
+        // Envoy writes a local answer at once, past its flow control: no larger than an
+        // answer the filter would hold to rewrite.
+        let limit = self.config.max_request_body_bytes;
+        if body.len() > limit {
+            commands.extend(self.reject(&ClientError::answer_too_large(body.len(), limit)));
+            return commands;
+        }
         commands.extend(self.outcome(Outcome::PrefillAnswered));
         commands.push(self.reply_with(status, body.to_vec()));
         commands
