@@ -1769,6 +1769,10 @@ mod tests {
             r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":2}"#,
             r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"stream":true}"#,
             r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"max_tokens":null}"#,
+            // Only a plain 0 or 1 is read as one; other spellings stay refused.
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1.0}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":"1"}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"stream":"false"}"#,
         ] {
             let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
             assert_eq!(error.status, 400, "{body}");
