@@ -215,6 +215,7 @@ impl<'a> JsonObject<'a> {
             match edit {
                 Edit::Replace(bytes) => splice.literal(bytes),
                 Edit::Slot => splice.pieces.push(Piece::Slot),
+                Edit::Value(index) => splice.pieces.push(Piece::Value(index)),
                 Edit::Keep | Edit::Remove => splice.original(member.value.clone()),
             }
             cursor = member.value.end;
@@ -226,6 +227,7 @@ impl<'a> JsonObject<'a> {
             let value = match value {
                 Edit::Replace(bytes) => Piece::Literal(bytes),
                 Edit::Slot => Piece::Slot,
+                Edit::Value(index) => Piece::Value(*index),
                 Edit::Keep | Edit::Remove => continue,
             };
             if emitted_any {
@@ -280,6 +282,8 @@ pub enum Edit {
     Replace(&'static [u8]),
     /// Replace with the value given when the splice is written.
     Slot,
+    /// Replace with the value at this index of those given to [`Splice::write_values`].
+    Value(usize),
     Remove,
 }
 
@@ -295,6 +299,7 @@ enum Piece {
     Original(Range<usize>),
     Literal(&'static [u8]),
     Slot,
+    Value(usize),
 }
 
 impl Splice {
@@ -317,12 +322,17 @@ impl Splice {
 
     /// The length of the written document with `slot_len` bytes in the slot.
     pub fn len(&self, slot_len: usize) -> usize {
+        self.written_len(slot_len, &[])
+    }
+
+    fn written_len(&self, slot_len: usize, values: &[&[u8]]) -> usize {
         self.pieces
             .iter()
             .map(|piece| match piece {
                 Piece::Original(range) => range.len(),
                 Piece::Literal(bytes) => bytes.len(),
                 Piece::Slot => slot_len,
+                Piece::Value(index) => values.get(*index).map_or(0, |value| value.len()),
             })
             .sum()
     }
@@ -334,12 +344,25 @@ impl Splice {
 
     /// Writes the document from `text`, the one the splice was planned on.
     pub fn write(&self, text: &[u8], slot: &[u8]) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.len(slot.len()));
+        self.write_with(text, slot, &[])
+    }
+
+    /// Writes the document from `text`, each [`Edit::Value`] given its value from `values`
+    /// (none for an index past them).
+    pub fn write_values(&self, text: &[u8], values: &[&[u8]]) -> Vec<u8> {
+        self.write_with(text, b"", values)
+    }
+
+    fn write_with(&self, text: &[u8], slot: &[u8], values: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.written_len(slot.len(), values));
         for piece in &self.pieces {
             match piece {
                 Piece::Original(range) => out.extend_from_slice(span(text, range.clone())),
                 Piece::Literal(bytes) => out.extend_from_slice(bytes),
                 Piece::Slot => out.extend_from_slice(slot),
+                Piece::Value(index) => {
+                    out.extend_from_slice(values.get(*index).copied().unwrap_or_default())
+                }
             }
         }
         out
