@@ -543,6 +543,12 @@ fn answer(
         cached_tokens: cached_tokens.min(parsed.prompt_tokens()),
         cache_writes,
         tokens,
+        echoed: if parsed.echo && parsed.endpoint == Endpoint::Completions {
+            proto::prompt_pieces(&parsed.prompt)
+        } else {
+            Vec::new()
+        },
+        logprobs: parsed.logprobs,
     }
 }
 
@@ -621,7 +627,9 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
             "remote_request_id": request_id,
             "remote_block_ids": (first..first + blocks).collect::<Vec<_>>(),
             "remote_host": "127.0.0.1", "remote_port": shared.port, "tp_size": 1,
-            "remote_num_tokens": prompt_tokens + generated,
+            // The engine always generates a token: with `echo` and `max_tokens: 0` too,
+            // leaving it out of the answer.
+            "remote_num_tokens": prompt_tokens + generated.max(1),
             "mock_prompt_fingerprint": parsed.fingerprint(),
         })
     };

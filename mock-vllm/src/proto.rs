@@ -52,11 +52,32 @@ pub(crate) struct Parsed {
     pub request_id: Option<String>,
     /// `min_tokens` (completions, chat, Messages; generate's `sampling_params`): 0 when absent.
     pub min_tokens: u64,
+    /// Completions: `echo`, the prompt written before the generated text.
+    pub echo: bool,
+    /// Completions: `logprobs` asked for, the answer's per-token logprobs.
+    pub logprobs: bool,
 }
 
 /// The prompt's length in the mock's tokens: its words, at least one.
 fn word_tokens(prompt: &str) -> u64 {
     (prompt.split_whitespace().count() as u64).max(1)
+}
+
+/// The prompt as the mock's tokens, written out: each word with the whitespace after it
+/// (the first with any before it too), so that they make up the prompt.
+pub(crate) fn prompt_pieces(prompt: &str) -> Vec<String> {
+    let mut pieces: Vec<String> = Vec::new();
+    let mut current = String::new();
+    let mut in_word = false;
+    for c in prompt.chars() {
+        if !c.is_whitespace() && !in_word && current.chars().any(|c| !c.is_whitespace()) {
+            pieces.push(std::mem::take(&mut current));
+        }
+        in_word = !c.is_whitespace();
+        current.push(c);
+    }
+    pieces.push(current);
+    pieces
 }
 
 impl Parsed {
@@ -116,10 +137,10 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
             Some(_) => int("max_tokens")?,
         },
     };
-    // vLLM takes completions' `max_tokens: 0` with `echo` as the prompt alone.
-    let echo_alone = endpoint == Endpoint::Completions
-        && set_limit == Some(0)
-        && obj.get("echo") == Some(&Value::Bool(true));
+    let echoes = endpoint == Endpoint::Completions && obj.get("echo") == Some(&Value::Bool(true));
+    // vLLM takes completions' `max_tokens: 0` with `echo` as the prompt alone: it generates
+    // one token (which hands the KV over) and leaves it out of the answer.
+    let echo_alone = echoes && set_limit == Some(0);
     if let Some(limit) = set_limit.filter(|_| !echo_alone) {
         check_limit(limit)?;
     }
@@ -140,7 +161,7 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         .filter(|room| *room > 0)
         .and_then(|room| i64::try_from(room).ok());
     if let Some(limit) = set_limit.or(room) {
-        check_min(min, limit)?;
+        check_min(min, if echo_alone { 1 } else { limit })?;
     }
     // Without a limit the mock's answer stops by itself after 16 tokens (as a model ends
     // its answer), or after min_tokens.
@@ -180,6 +201,9 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
         prompt_logprobs: prompt_logprobs(endpoint, obj),
         request_id: None,
         min_tokens: min.unwrap_or(0).max(0) as u64,
+        echo: echoes,
+        logprobs: endpoint == Endpoint::Completions
+            && obj.get("logprobs").is_some_and(|v| !v.is_null()),
     })
 }
 
@@ -480,6 +504,8 @@ fn one_sequence(
         prompt_logprobs: None,
         request_id: None,
         min_tokens: 0,
+        echo: false,
+        logprobs: false,
     }
 }
 
@@ -600,6 +626,8 @@ fn parse_generate(obj: &Map<String, Value>) -> Result<Parsed, String> {
         prompt_logprobs,
         request_id,
         min_tokens: min_tokens.unwrap_or(0).max(0) as u64,
+        echo: false,
+        logprobs: false,
     })
 }
 
@@ -743,6 +771,10 @@ pub(crate) struct Answer {
     /// decode's. `None` as vLLM 0.11 answers, which does not report them.
     pub cache_writes: Option<u64>,
     pub tokens: Vec<String>,
+    /// Completions with `echo`: the prompt's tokens, written before the generated ones.
+    pub echoed: Vec<String>,
+    /// Completions with `logprobs`: each token's logprob in the answer.
+    pub logprobs: bool,
 }
 
 impl Answer {
@@ -823,6 +855,34 @@ impl Answer {
             "usage": usage})
     }
 
+    /// Completions' `logprobs` as vLLM's `_create_completion_logprobs` writes them: the
+    /// echoed prompt's tokens (the first without a logprob), then the generated ones, each
+    /// offset where the one before it ended, counted in code points (Python's `len`).
+    fn completion_logprobs(&self) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let mut offsets = Vec::new();
+        let mut token_logprobs = Vec::new();
+        let mut top_logprobs = Vec::new();
+        let mut at = 0;
+        let tokens: Vec<&String> = self.echoed.iter().chain(&self.tokens).collect();
+        for (i, token) in tokens.iter().enumerate() {
+            offsets.push(at);
+            at += token.chars().count();
+            if i == 0 && !self.echoed.is_empty() {
+                token_logprobs.push(Value::Null);
+                top_logprobs.push(Value::Null);
+            } else {
+                let logprob = -((token.len() + i) as f64) / 10.0;
+                token_logprobs.push(json!(logprob));
+                top_logprobs.push(json!({ token.as_str(): logprob }));
+            }
+        }
+        json!({"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
+            "top_logprobs": top_logprobs})
+    }
+
     /// The non-streamed response object.
     pub(crate) fn object(&self) -> Value {
         let text = self.tokens.concat();
@@ -831,8 +891,9 @@ impl Answer {
             Endpoint::Completions => json!({
                 "id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": choices(&|i| json!({"index": i, "text": text,
-                    "finish_reason": "length", "logprobs": null})),
+                "choices": choices(&|i| json!({"index": i,
+                    "text": self.echoed.concat() + &text,
+                    "finish_reason": "length", "logprobs": self.completion_logprobs()})),
                 "usage": self.answer_usage(),
             }),
             Endpoint::Chat => json!({
@@ -1295,7 +1356,49 @@ mod tests {
             cached_tokens,
             cache_writes: None,
             tokens,
+            echoed: if parsed.echo {
+                prompt_pieces(&parsed.prompt)
+            } else {
+                Vec::new()
+            },
+            logprobs: parsed.logprobs,
         }
+    }
+
+    #[test]
+    fn completions_echo_writes_the_prompt_and_its_logprobs_first() {
+        let parsed = parse_ok(
+            Endpoint::Completions,
+            json!({"prompt": "é tu", "echo": true, "logprobs": 1, "max_tokens": 2}),
+        );
+        let object = answer(&parsed, vec!["x ".into(), "😀".into()], 0).object();
+        let choice = &object["choices"][0];
+        assert_eq!(choice["text"], json!("é tux 😀"));
+        assert_eq!(
+            choice["logprobs"]["tokens"],
+            json!(["é ", "tu", "x ", "😀"])
+        );
+        assert_eq!(choice["logprobs"]["text_offset"], json!([0, 2, 4, 6]));
+        assert_eq!(choice["logprobs"]["token_logprobs"][0], Value::Null);
+        assert!(choice["logprobs"]["token_logprobs"][1].is_number());
+        // Without echo, the generated tokens alone; without logprobs, none.
+        let parsed = parse_ok(
+            Endpoint::Completions,
+            json!({"prompt": "é tu", "logprobs": 1, "max_tokens": 2}),
+        );
+        let object = answer(&parsed, vec!["x ".into()], 0).object();
+        assert_eq!(object["choices"][0]["text"], json!("x "));
+        assert_eq!(object["choices"][0]["logprobs"]["text_offset"], json!([0]));
+        let parsed = parse_ok(Endpoint::Completions, json!({"prompt": "a", "echo": true}));
+        let object = answer(&parsed, vec!["x ".into()], 0).object();
+        assert_eq!(object["choices"][0]["text"], json!("ax "));
+        assert_eq!(object["choices"][0]["logprobs"], Value::Null);
+        // The prompt alone, with min_tokens as the filter sends prefill.
+        let parsed = parse_ok(
+            Endpoint::Completions,
+            json!({"prompt": "a", "echo": true, "logprobs": 0, "max_tokens": 0, "min_tokens": 1}),
+        );
+        assert_eq!(parsed.limit, 0);
     }
 
     /// Splits SSE text into (event name, data) pairs.
@@ -1315,6 +1418,15 @@ mod tests {
                 }
             })
             .collect()
+    }
+
+    #[test]
+    fn prompt_pieces_make_up_the_prompt_one_per_token() {
+        for prompt in ["the quick  fox", " lead and trail\n", "one", "", "é 😀 x"] {
+            let pieces = prompt_pieces(prompt);
+            assert_eq!(pieces.concat(), prompt);
+            assert_eq!(pieces.len() as u64, word_tokens(prompt), "{prompt:?}");
+        }
     }
 
     #[test]
