@@ -462,6 +462,86 @@ async fn prompt_logprobs_come_from_prefill() {
 }
 
 #[tokio::test]
+async fn an_echo_with_logprobs_has_prefills_prompt_before_decodes_tokens() {
+    // The OpenAI legacy way to score a prompt and a continuation in one request: the
+    // prompt's logprobs are prefill's, the continuation's decode's, in one answer as one
+    // vLLM writes it.
+    let h = harness();
+    let prompt = "Grüße, wörld 😀 \"quoted\"\tend";
+    // Headers held for prefill (as envoy.yaml ships) and passed at once (as under Istio).
+    for listener in ["default", "usage_decode"] {
+        let id = unique_id("echo-many-tokens");
+        let sent = json!({"model": "m", "prompt": prompt, "echo": true, "logprobs": 1,
+            "max_tokens": 4, "n": 2});
+        let reply = Request::post(listener, "/v1/completions")
+            .id(&id)
+            .body(sent.to_string())
+            .send()
+            .await;
+        assert_eq!(reply.status, 200, "{listener}: {}", reply.body);
+        assert_eq!(reply.header("x-mock-kv"), Some("reused"));
+        let answer = reply.json();
+        let prefill = h.only_prefill(&id).json();
+        assert_eq!(
+            (
+                &prefill["echo"],
+                &prefill["max_tokens"],
+                &prefill["logprobs"]
+            ),
+            (&json!(true), &json!(0), &json!(1))
+        );
+        let decode = h.only_decode(&id).json();
+        assert_eq!(decode.get("echo"), None);
+        assert_eq!(decode.get("prompt_logprobs"), None);
+        assert_eq!(
+            (&decode["max_tokens"], &decode["n"]),
+            (&json!(4), &json!(2))
+        );
+
+        let prompt_tokens = prompt.split_whitespace().count();
+        let choices = answer["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 2, "{answer}");
+        for choice in choices {
+            let text = choice["text"].as_str().unwrap();
+            assert_eq!(text, format!("{prompt}{}", expected_decode_text(prompt, 4)));
+            let logprobs = &choice["logprobs"];
+            let tokens: Vec<&str> = logprobs["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|token| token.as_str().unwrap())
+                .collect();
+            assert_eq!(tokens.len(), prompt_tokens + 4, "{choice}");
+            assert_eq!(tokens.concat(), text);
+            // Offsets in code points, as vLLM counts them, running on from prompt to answer.
+            let mut at = 0;
+            for (i, token) in tokens.iter().enumerate() {
+                assert_eq!(logprobs["text_offset"][i], json!(at), "{choice}");
+                at += token.chars().count();
+            }
+            for array in ["token_logprobs", "top_logprobs"] {
+                assert_eq!(logprobs[array].as_array().unwrap().len(), tokens.len());
+                assert_eq!(logprobs[array][0], Value::Null, "the prompt's first token");
+            }
+            assert_eq!(
+                choice["prompt_logprobs"].as_array().map(Vec::len),
+                Some(prompt_tokens),
+                "{choice}"
+            );
+        }
+        assert_eq!(answer["usage"]["completion_tokens"], 2 * 4);
+    }
+
+    // A stream's first chunk would need prefill's echo: refused before either leg runs.
+    let id = unique_id("echo-stream");
+    let sent = json!({"prompt": "a b", "echo": true, "logprobs": 1, "max_tokens": 4,
+        "stream": true});
+    let reply = post(&APIS[0], &id, &sent).await;
+    reply.assert_error(400, "echo with logprobs cannot be served");
+    assert!(h.prefill_requests(&id).is_empty());
+}
+
+#[tokio::test]
 async fn a_streamed_token_reaches_the_client_while_the_next_is_generated() {
     // Decode streams an event every 150 ms; with usage merging on, each must still reach the
     // client as it comes, not once the answer is whole.

@@ -214,7 +214,7 @@ async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
         (
             "echo-logprobs",
             COMPLETIONS,
-            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":2}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":2,"stream":true}"#,
             "echo with logprobs cannot be served",
         ),
         // vLLM serves the embeddings and then the prompt, even an empty one, as two.

@@ -3,6 +3,7 @@
 //! ([`prefill_answer`]), which workers a request may go to ([`scheduling`]) and what the
 //! client is answered when something is wrong ([`errors`]).
 
+pub mod echo;
 pub mod errors;
 pub mod kv_release;
 pub mod limits;

@@ -4,6 +4,7 @@
 //! text: prefill's logprobs go in byte for byte (no number is read and written again), and
 //! every other byte of decode's answer stays where it was.
 
+use super::echo::EchoedPrompt;
 use crate::api::Api;
 use crate::json::{array_element_ranges, array_elements, Edit, JsonObject};
 
@@ -25,41 +26,53 @@ pub fn from_prefill_answer(api: Api, answer: &[u8]) -> Option<Vec<u8>> {
     (logprobs != b"null").then(|| logprobs.to_vec())
 }
 
-/// Decode's answer with prefill's `prompt_logprobs` where vLLM puts them: in every choice
-/// on completions (they share the prompt), top-level on chat. `None` when the answer is not
-/// one to write them into, or would be longer than `limit` bytes with them: that is known
-/// from the number of choices decode wrote, before anything is built.
-pub fn into_answer(api: Api, answer: &[u8], logprobs: &[u8], limit: usize) -> Option<Vec<u8>> {
+/// Decode's answer with what prefill computed for the prompt where vLLM puts it: its
+/// `prompt_logprobs` in every choice on completions (they share the prompt), top-level on
+/// chat; and on completions, its echo of the prompt before each choice's own text and
+/// logprobs. `None` when the answer is not one to write them into, or would be longer than
+/// `limit` bytes with them: that is known from the number of choices decode wrote, before
+/// anything is built.
+pub fn into_answer(
+    api: Api,
+    answer: &[u8],
+    logprobs: Option<&[u8]>,
+    echoed: Option<&EchoedPrompt>,
+    limit: usize,
+) -> Option<Vec<u8>> {
     let object = JsonObject::parse(answer).ok()?;
+    let per_choice = logprobs
+        .map_or(0, |logprobs| logprobs.len().saturating_add(MEMBER_OVERHEAD))
+        .saturating_add(echoed.map_or(0, EchoedPrompt::added_len));
     let fits = |copies: usize| {
-        logprobs
-            .len()
-            .saturating_add(MEMBER_OVERHEAD)
+        per_choice
             .saturating_mul(copies)
             .saturating_add(answer.len())
             <= limit
     };
     match api {
-        Api::ChatCompletions => fits(1).then(|| with_member(&object, logprobs)),
-        Api::Completions => {
+        Api::ChatCompletions => {
+            let logprobs = logprobs?;
+            fits(1).then(|| with_member(&object, logprobs))
+        }
+        Api::Completions if logprobs.is_some() || echoed.is_some() => {
             let choices = object.last_value("choices")?;
             let ranges = array_element_ranges(choices)?;
             if !fits(ranges.len()) {
                 return None;
             }
-            let mut written = Vec::with_capacity(choices.len() + logprobs.len() * ranges.len());
+            let mut written = Vec::with_capacity(choices.len() + per_choice * ranges.len());
             let mut cursor = 0;
             for choice in ranges {
                 written.extend_from_slice(choices.get(cursor..choice.start)?);
                 let object = JsonObject::parse(choices.get(choice.clone())?).ok()?;
-                written.extend_from_slice(&with_member(&object, logprobs));
+                written.extend_from_slice(&choice_with(&object, logprobs, echoed)?);
                 cursor = choice.end;
             }
             written.extend_from_slice(choices.get(cursor..)?);
             let splice = object.splice_member("choices", Edit::Slot);
             Some(splice.write(object.text(), &written))
         }
-        Api::Responses | Api::Messages | Api::Generate | Api::CohereChat => None,
+        _ => None,
     }
 }
 
@@ -83,6 +96,41 @@ fn with_member(object: &JsonObject, logprobs: &[u8]) -> Vec<u8> {
     object.splice(edit, append).write(object.text(), logprobs)
 }
 
+/// A completions choice with prefill's prompt logprobs and its echo of the prompt, each
+/// where given. `None` when the choice has no text and logprobs for the echo to go before.
+fn choice_with(
+    choice: &JsonObject,
+    logprobs: Option<&[u8]>,
+    echoed: Option<&EchoedPrompt>,
+) -> Option<Vec<u8>> {
+    let Some(echoed) = echoed else {
+        return Some(match logprobs {
+            Some(logprobs) => with_member(choice, logprobs),
+            None => choice.text().to_vec(),
+        });
+    };
+    let (text, echoed_logprobs) =
+        echoed.before(choice.last_value("text")?, choice.last_value("logprobs")?)?;
+    let sets_prompt_logprobs = logprobs.is_some();
+    let edit = |key: &str| match key {
+        PROMPT_LOGPROBS if sets_prompt_logprobs => Edit::Value(0),
+        "text" => Edit::Value(1),
+        "logprobs" => Edit::Value(2),
+        _ => Edit::Keep,
+    };
+    let append: &[(&str, Edit)] = if sets_prompt_logprobs && !choice.has(PROMPT_LOGPROBS) {
+        &[(PROMPT_LOGPROBS, Edit::Value(0))]
+    } else {
+        &[]
+    };
+    let values = [logprobs.unwrap_or_default(), &text, &echoed_logprobs];
+    Some(
+        choice
+            .splice(edit, append)
+            .write_values(choice.text(), &values),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,7 +146,14 @@ mod tests {
         let found = from_prefill_answer(Api::Completions, completion.as_bytes()).unwrap();
         assert_eq!(found, LOGPROBS.as_bytes());
         let decode = r#"{"id":"d","choices":[ {"text":"x","prompt_logprobs":null} ,{"text":"y"}],"usage":{}}"#;
-        let merged = into_answer(Api::Completions, decode.as_bytes(), &found, usize::MAX).unwrap();
+        let merged = into_answer(
+            Api::Completions,
+            decode.as_bytes(),
+            Some(&found),
+            None,
+            usize::MAX,
+        )
+        .unwrap();
         assert_eq!(
             String::from_utf8(merged).unwrap(),
             format!(
@@ -110,8 +165,14 @@ mod tests {
         let found = from_prefill_answer(Api::ChatCompletions, chat.as_bytes()).unwrap();
         assert_eq!(found, LOGPROBS.as_bytes());
         let decode = r#"{"z":1,"a":2,"choices":[],"prompt_logprobs":null,"usage":{}}"#;
-        let merged =
-            into_answer(Api::ChatCompletions, decode.as_bytes(), &found, usize::MAX).unwrap();
+        let merged = into_answer(
+            Api::ChatCompletions,
+            decode.as_bytes(),
+            Some(&found),
+            None,
+            usize::MAX,
+        )
+        .unwrap();
         assert_eq!(
             String::from_utf8(merged).unwrap(),
             format!(r#"{{"z":1,"a":2,"choices":[],"prompt_logprobs":{LOGPROBS},"usage":{{}}}}"#),
@@ -120,7 +181,8 @@ mod tests {
         let merged = into_answer(
             Api::ChatCompletions,
             b"{\"choices\":[]}",
-            &found,
+            Some(&found),
+            None,
             usize::MAX,
         )
         .unwrap();
@@ -140,7 +202,13 @@ mod tests {
         );
         assert_eq!(from_prefill_answer(Api::Responses, chat.as_bytes()), None);
         assert_eq!(
-            into_answer(Api::Completions, b"{\"choices\":7}", &found, usize::MAX),
+            into_answer(
+                Api::Completions,
+                b"{\"choices\":7}",
+                Some(&found),
+                None,
+                usize::MAX
+            ),
             None
         );
     }
@@ -152,19 +220,38 @@ mod tests {
         // whatever the request said `n` was.
         let choices = vec![r#"{"text":"x"}"#; 1000].join(",");
         let answer = format!(r#"{{"id":"d","choices":[{choices}]}}"#);
-        let needed = into_answer(Api::Completions, answer.as_bytes(), logprobs, usize::MAX)
-            .unwrap()
-            .len();
+        let needed = into_answer(
+            Api::Completions,
+            answer.as_bytes(),
+            Some(logprobs),
+            None,
+            usize::MAX,
+        )
+        .unwrap()
+        .len();
         let limit = answer.len() + 1000 * (logprobs.len() + MEMBER_OVERHEAD);
         assert!(needed <= limit, "{needed} > {limit}");
-        assert!(into_answer(Api::Completions, answer.as_bytes(), logprobs, limit).is_some());
+        assert!(into_answer(
+            Api::Completions,
+            answer.as_bytes(),
+            Some(logprobs),
+            None,
+            limit
+        )
+        .is_some());
         assert_eq!(
-            into_answer(Api::Completions, answer.as_bytes(), logprobs, needed - 1),
+            into_answer(
+                Api::Completions,
+                answer.as_bytes(),
+                Some(logprobs),
+                None,
+                needed - 1
+            ),
             None
         );
         let chat = br#"{"id":"c","choices":[]}"#;
         assert_eq!(
-            into_answer(Api::ChatCompletions, chat, logprobs, chat.len()),
+            into_answer(Api::ChatCompletions, chat, Some(logprobs), None, chat.len()),
             None
         );
     }

@@ -71,8 +71,13 @@ pub struct DecodePlan {
     /// into decode's answer. (Decode on prefill's KV never gets the request for them,
     /// streamed or not.)
     pub prompt_logprobs_from_prefill: bool,
-    /// How many copies of prefill's prompt logprobs decode's answer gets: one per choice on
-    /// completions (the client's `n`), one on chat.
+    /// A completions request for `echo` with `logprobs` beyond one token, not streamed:
+    /// prefill is asked for the prompt alone, decode generates without `echo`, and
+    /// prefill's echo of the prompt goes before each of decode's choices
+    /// ([`crate::protocol::echo`]).
+    pub echo_from_prefill: bool,
+    /// How many copies of prefill's prompt logprobs (and echo) decode's answer gets: one per
+    /// choice on completions (the client's `n`), one on chat.
     pub prompt_logprobs_copies: usize,
     /// Decode's answer, when streamed, carries usage as vLLM writes it by default: always on
     /// the Responses, Messages and tokens-in APIs; on completions and chat only when the
@@ -296,13 +301,23 @@ pub fn prepare_with(
         ));
     }
     let echoes = api == Api::Completions && echoes_prompt_logprobs(&object);
-    let answered_by_prefill = echoes && !streams && generates_at_most_one_token(&object);
-    if echoes && !answered_by_prefill {
+    if echoes && streams {
         return Err(ClientError::bad_request(
-            "echo with logprobs cannot be served through prefill/decode disaggregation beyond \
-             one generated token: the echoed prompt's logprobs are computed on prefill, and \
-             decode's answer would lack them; send max_tokens 0 or 1 without stream (prefill \
-             then answers the whole request), or ask for prompt_logprobs (not streamed)",
+            "echo with logprobs cannot be served through prefill/decode disaggregation in a \
+             stream: the echoed prompt's logprobs are computed on prefill, and decode's first \
+             chunk would lack them; send the request without stream",
+        ));
+    }
+    let answered_by_prefill = echoes && generates_at_most_one_token(&object);
+    let echo_from_prefill = echoes && !answered_by_prefill;
+    if echo_from_prefill && object.last_value("logprob_token_ids").is_some_and(truthy) {
+        // Prefill is asked for the prompt alone (`max_tokens: 0`), which vLLM refuses with
+        // logprob_token_ids.
+        return Err(ClientError::invalid_field(
+            "logprob_token_ids",
+            "logprob_token_ids with echo cannot be served through prefill/decode \
+             disaggregation beyond one generated token; send max_tokens 0 or 1, or the \
+             request without echo",
         ));
     }
     if api == Api::Generate {
@@ -342,6 +357,8 @@ pub fn prepare_with(
         move |key: &str| match key {
             KV_TRANSFER_PARAMS => edit,
             "prompt_logprobs" if asks_prompt_logprobs && edit == Edit::Slot => Edit::Remove,
+            // Decode generates; prefill's echo of the prompt goes before its answer.
+            "echo" if echo_from_prefill && edit == Edit::Slot => Edit::Remove,
             _ => Edit::Keep,
         }
     };
@@ -352,13 +369,18 @@ pub fn prepare_with(
     };
     // The head edit leaves every client member as it is: not when one must go (the client's
     // own kv_transfer_params, or prompt_logprobs that decode on prefill's KV cannot compute).
-    let first_member = (!has_client_kv && !asks_prompt_logprobs && !object.members().is_empty())
-        .then(|| object.open_brace() + 1);
+    let removes_a_member = has_client_kv || asks_prompt_logprobs || echo_from_prefill;
+    let first_member =
+        (!removes_a_member && !object.members().is_empty()).then(|| object.open_brace() + 1);
     let decode = DecodePlan {
         json_start,
-        prompt_logprobs_from_prefill: asks_prompt_logprobs && !streamed,
+        // vLLM's echo computes prompt logprobs, and writes them into each choice too.
+        prompt_logprobs_from_prefill: (asks_prompt_logprobs && !streamed) || echo_from_prefill,
+        echo_from_prefill,
         prompt_logprobs_copies: match api {
-            Api::Completions if asks_prompt_logprobs => object.last_value("n").map_or(1, lax_count),
+            Api::Completions if asks_prompt_logprobs || echo_from_prefill => {
+                object.last_value("n").map_or(1, lax_count)
+            }
             _ => 1,
         },
         stream_usage_asked: !matches!(api, Api::Completions | Api::ChatCompletions)
@@ -780,10 +802,16 @@ fn one_token_splice(
     drops_prompt_logprobs: bool,
 ) -> Splice {
     const ONE: &[u8] = b"1";
+    // vLLM answers an echo with `max_tokens: 0` with the prompt alone (it generates the one
+    // token that hands the KV over, and leaves it out of the answer).
+    let max_tokens: &'static [u8] = if api == Api::Completions && echoes_prompt_logprobs(object) {
+        b"0"
+    } else {
+        ONE
+    };
     let edit = |key: &str| match key {
-        "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "n"
-            if api != Api::Generate =>
-        {
+        "max_tokens" if api != Api::Generate => Edit::Replace(max_tokens),
+        "max_completion_tokens" | "max_output_tokens" | "n" if api != Api::Generate => {
             Edit::Replace(ONE)
         }
         "stream" => Edit::Replace(b"false"),
@@ -802,7 +830,7 @@ fn one_token_splice(
     // Responses has no max_tokens (vLLM would log it as an ignored field on every request).
     let appends_max_tokens = !matches!(api, Api::Messages | Api::Generate | Api::Responses);
     if appends_max_tokens && !object.has("max_tokens") {
-        append.push(("max_tokens", Edit::Replace(ONE)));
+        append.push(("max_tokens", Edit::Replace(max_tokens)));
     }
     if api == Api::Responses && !object.has("max_output_tokens") {
         append.push(("max_output_tokens", Edit::Replace(ONE)));
@@ -1620,10 +1648,11 @@ mod tests {
             "\"\\u0079es\"",
         ] {
             let body = format!(r#"{{"prompt":"a","echo":{spelling},"logprobs":1}}"#);
-            assert!(
-                prepare(Api::Completions, body.as_bytes()).is_err(),
-                "{body}"
-            );
+            let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
+            assert!(prepared.decode.echo_from_prefill, "{body}");
+            let decode = prepared.decode.body_with_kv(body.as_bytes(), b"{}");
+            let decode: Value = serde_json::from_slice(&decode).unwrap();
+            assert_eq!(decode.get("echo"), None, "{body}");
             let body = format!(r#"{{"prompt":"a","prompt_logprobs":1,"stream":{spelling}}}"#);
             assert!(
                 prepare(Api::Completions, body.as_bytes()).is_err(),
@@ -1761,22 +1790,74 @@ mod tests {
     #[test]
     fn completions_echo_with_logprobs_is_answered_by_prefill_or_refused() {
         // vLLM reads echo with logprobs as a request for prompt logprobs, even when the
-        // filter removes prompt_logprobs: decode on prefill's KV would fail it.
+        // filter removes prompt_logprobs: decode on prefill's KV would fail it. A stream's
+        // first chunk would need prefill's echo: refused.
         for body in [
-            r#"{"prompt":"a b","echo":true,"logprobs":0}"#,
-            r#"{"prompt":"a b","echo":true,"logprobs":2,"prompt_logprobs":1}"#,
             r#"{"prompt":"a b","echo":true,"logprobs":1,"stream":true}"#,
-            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":2}"#,
             r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"stream":true}"#,
-            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"max_tokens":null}"#,
-            // Only a plain 0 or 1 is read as one; other spellings stay refused.
-            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1.0}"#,
-            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":"1"}"#,
             r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"stream":"false"}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":5,"stream":1}"#,
         ] {
             let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
             assert_eq!(error.status, 400, "{body}");
             assert!(error.message.contains("echo"), "{}", error.message);
+        }
+        let error = prepare(
+            Api::Completions,
+            br#"{"prompt":"a","echo":true,"logprobs":1,"max_tokens":5,"logprob_token_ids":[1]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(error.param, Some("logprob_token_ids"));
+        // Beyond one token: prefill echoes the prompt alone, decode generates without echo,
+        // and prefill's echo goes before decode's answer.
+        for (body, prefills_limit) in [
+            (r#"{"prompt":"a b","echo":true,"logprobs":0}"#, json!(0)),
+            (
+                r#"{"prompt":"a b","echo":true,"logprobs":2,"prompt_logprobs":1,"n":3}"#,
+                json!(0),
+            ),
+            (
+                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":2,"min_tokens":2}"#,
+                json!(0),
+            ),
+            (
+                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"max_tokens":null}"#,
+                json!(0),
+            ),
+            // Only a plain 0 or 1 is read as one token.
+            (
+                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1.0}"#,
+                json!(0),
+            ),
+            (
+                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":"1"}"#,
+                json!(0),
+            ),
+        ] {
+            let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
+            assert!(!prepared.answered_by_prefill, "{body}");
+            assert!(prepared.decode.echo_from_prefill, "{body}");
+            assert!(prepared.decode.prompt_logprobs_from_prefill, "{body}");
+            let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+            let client: Value = serde_json::from_str(body).unwrap();
+            assert_eq!(prefill["max_tokens"], prefills_limit, "{body}");
+            assert_eq!(prefill["echo"], json!(true), "{body}");
+            assert_eq!(prefill["logprobs"], client["logprobs"], "{body}");
+            assert!(prefill.get("n").is_none_or(|n| *n == json!(1)), "{body}");
+            assert_eq!(prefill["stream"], json!(false), "{body}");
+            assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
+            let decode = prepared.decode.body_with_kv(body.as_bytes(), b"{}");
+            let decode: Value = serde_json::from_slice(&decode).unwrap();
+            let mut expected = client.clone();
+            let expected_map = expected.as_object_mut().unwrap();
+            expected_map.remove("echo");
+            expected_map.remove("prompt_logprobs");
+            expected_map.insert("kv_transfer_params".into(), json!({}));
+            assert_eq!(decode, expected, "{body}");
+            assert_eq!(
+                prepared.decode.prompt_logprobs_copies,
+                client["n"].as_u64().unwrap_or(1) as usize
+            );
         }
         for body in [
             r#"{"prompt":"a b","echo":true}"#,

@@ -280,13 +280,19 @@ impl Session {
                 let current = merged.as_deref().unwrap_or(body);
                 // Used once: the VM's memory they held is given back with them.
                 let with_logprobs = prompt_logprobs.take().map(|held| {
-                    let written =
-                        prompt_logprobs::into_answer(held.api, current, &held.logprobs, limit);
+                    let written = prompt_logprobs::into_answer(
+                        held.api,
+                        current,
+                        held.prompt_logprobs.as_deref(),
+                        held.echoed.as_ref(),
+                        limit,
+                    );
                     if written.is_none() {
                         log::warn!(
-                            "[{request_id}] prefill's prompt logprobs were not written into \
-                             decode's answer: it has no choices to hold them, or would be \
-                             larger than {limit} bytes with them (max_request_body_bytes)"
+                            "[{request_id}] prefill's prompt logprobs (or echo of the prompt) \
+                             were not written into decode's answer: it has no choices to hold \
+                             them, or would be larger than {limit} bytes with them \
+                             (max_request_body_bytes)"
                         );
                     }
                     written

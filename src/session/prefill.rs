@@ -8,6 +8,7 @@ use crate::api::Api;
 use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy, UsagePolicy};
 use crate::held_bytes::{HeldBytes, Reservation};
 use crate::json::JsonObject;
+use crate::protocol::echo::EchoedPrompt;
 use crate::protocol::scheduling::{check_model_for_header, with_reachable_remote_host};
 use crate::protocol::usage::prompt_usage_for_decode;
 use crate::protocol::{
@@ -85,11 +86,12 @@ impl HeldBody {
     }
 }
 
-/// Prefill's prompt logprobs, kept (and counted against the VM's budget) until they go into
-/// decode's answer.
+/// Prefill's prompt logprobs and echo of the prompt, each where asked for, kept (and counted
+/// against the VM's budget) until they go into decode's answer.
 pub(super) struct HeldLogprobs {
     pub(super) api: Api,
-    pub(super) logprobs: Vec<u8>,
+    pub(super) prompt_logprobs: Option<Vec<u8>>,
+    pub(super) echoed: Option<EchoedPrompt>,
     pub(super) _reservation: Reservation,
 }
 
@@ -447,26 +449,40 @@ impl Session {
         if prefill.decode.len_with_kv(kv.len()) > limit {
             return Err(self.reject(&ClientError::decode_body_too_large(limit)));
         }
-        let Some(logprobs) = prefill
-            .decode
+        let plan = &prefill.decode;
+        let prompt_logprobs = plan
             .prompt_logprobs_from_prefill
             .then(|| prompt_logprobs::from_prefill_answer(prefill.api, body))
-            .flatten()
-        else {
+            .flatten();
+        let echoed = plan
+            .echo_from_prefill
+            .then(|| EchoedPrompt::from_prefill_answer(body))
+            .flatten();
+        if plan.echo_from_prefill && echoed.is_none() {
+            log::warn!(
+                "[{}] prefill's answer has no echo of the prompt with logprobs: decode's \
+                 answer goes to the client without it",
+                self.request_id
+            );
+        }
+        let held = prompt_logprobs
+            .as_ref()
+            .map_or(0, Vec::len)
+            .saturating_add(echoed.as_ref().map_or(0, EchoedPrompt::added_len));
+        if prompt_logprobs.is_none() && echoed.is_none() {
             return Ok(None);
-        };
-        let size = logprobs
-            .len()
-            .saturating_mul(prefill.decode.prompt_logprobs_copies);
+        }
+        let size = held.saturating_mul(plan.prompt_logprobs_copies);
         if size.saturating_add(REST_OF_ANSWER) > limit {
             let error = ClientError::prompt_logprobs_too_large(size, limit, REST_OF_ANSWER);
             return Err(self.reject(&error));
         }
         // They wait in the VM until they go into decode's answer.
-        match self.held.reserve(logprobs.len()) {
+        match self.held.reserve(held) {
             Some(reservation) => Ok(Some(HeldLogprobs {
                 api: prefill.api,
-                logprobs,
+                prompt_logprobs,
+                echoed,
                 _reservation: reservation,
             })),
             None => Err(self.refuse_overloaded()),

@@ -1,7 +1,7 @@
 //! The state machine, event by event: every policy the filter applies, without a host.
 
 use super::*;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// Prefill's answer with no headers of note, as most tests give it.
 trait AnsweredByPrefill {
@@ -2651,4 +2651,56 @@ fn prefills_whole_answer_is_bounded_and_must_be_json() {
     let mut s = prefilling_body(r#"{"on_missing_kv_transfer_params":"fail"}"#, body);
     let (status, _) = reply(&s.on_prefill_answer(1, Some(200), b"not json", at(5)));
     assert_eq!(status, 502);
+}
+
+#[test]
+fn an_echo_with_logprobs_beyond_one_token_gets_prefills_prompt_before_decodes_answer() {
+    let body = r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":2,"n":2}"#;
+    let mut s = session("{}");
+    let step = send(&mut s, &post("/v1/completions"), body);
+    let prefill: Value = serde_json::from_slice(&dispatched(&step.commands).body).unwrap();
+    assert_eq!(
+        (&prefill["max_tokens"], &prefill["echo"], &prefill["n"]),
+        (&json!(0), &json!(true), &json!(1))
+    );
+    s.on_prefill_dispatched(Some(1), at(0));
+    let answer = format!(
+        r#"{{"id":"p","choices":[{{"index":0,"text":"a b","logprobs":{{"text_offset":[0,1],"token_logprobs":[null,-0.5],"tokens":["a"," b"],"top_logprobs":[null,{{" b":-0.5}}]}},"prompt_logprobs":[null,{{"7":{{"logprob":-0.5}}}}]}}],"kv_transfer_params":{KV}}}"#
+    );
+    let commands = s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+    assert!(commands.contains(&Command::ResumeRequest));
+    let decode = replaced_body(body, &commands).unwrap();
+    assert_eq!(decode.get("echo"), None);
+    assert_eq!(decode["max_tokens"], json!(2));
+    assert_eq!(decode["logprobs"], json!(1));
+
+    let decodes = br#"{"id":"d","choices":[{"index":0,"text":" c d","logprobs":{"text_offset":[0,2],"token_logprobs":[-1,-2],"tokens":[" c"," d"],"top_logprobs":[{" c":-1},{" d":-2}]},"prompt_logprobs":null},{"index":1,"text":" e","logprobs":{"text_offset":[0],"token_logprobs":[-3],"tokens":[" e"],"top_logprobs":[{" e":-3}]},"prompt_logprobs":null}]}"#;
+    let length = decodes.len().to_string();
+    s.on_response_headers(&ResponseHead {
+        content_length: Some(length.as_bytes()),
+        ..upstream(200)
+    });
+    assert_eq!(s.on_response_body(decodes.len(), false), BodyStep::ReadBody);
+    let step = s.on_response_body_read(decodes, false);
+    let [Command::ReplaceResponseBody { body: written, .. }] = step.commands.as_slice() else {
+        panic!("{:?}", step.commands);
+    };
+    let written: Value = serde_json::from_slice(written).unwrap();
+    assert_eq!(
+        written["choices"][0],
+        json!({"index": 0, "text": "a b c d",
+            "logprobs": {"text_offset": [0, 1, 3, 5], "token_logprobs": [null, -0.5, -1, -2],
+                "tokens": ["a", " b", " c", " d"],
+                "top_logprobs": [null, {" b": -0.5}, {" c": -1}, {" d": -2}]},
+            "prompt_logprobs": [null, {"7": {"logprob": -0.5}}]})
+    );
+    assert_eq!(written["choices"][1]["text"], json!("a b e"));
+    assert_eq!(
+        written["choices"][1]["logprobs"]["text_offset"],
+        json!([0, 1, 3])
+    );
+    assert_eq!(
+        written["choices"][1]["prompt_logprobs"],
+        written["choices"][0]["prompt_logprobs"]
+    );
 }
