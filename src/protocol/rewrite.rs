@@ -1802,6 +1802,20 @@ mod tests {
             assert_eq!(error.status, 400, "{body}");
             assert!(error.message.contains("echo"), "{}", error.message);
         }
+        // Decode gets no echo in any spelling or copy of the key.
+        for body in [
+            r#"{"prompt":"a","\u0065cho":true,"logprobs":1,"max_tokens":3}"#,
+            r#"{"echo":true,"prompt":"a","echo":true,"logprobs":1,"max_tokens":3}"#,
+            r#"{"echo":false,"prompt":"a","\u0065\u0063ho":1,"logprobs":1,"max_tokens":3}"#,
+        ] {
+            let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
+            assert!(prepared.decode.echo_from_prefill, "{body}");
+            let decode = prepared.decode.body_with_kv(body.as_bytes(), b"{}");
+            let decode = String::from_utf8(decode).unwrap();
+            assert!(!decode.contains("cho"), "{decode}");
+            let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+            assert_eq!(prefill["max_tokens"], json!(0), "{body}");
+        }
         let error = prepare(
             Api::Completions,
             br#"{"prompt":"a","echo":true,"logprobs":1,"max_tokens":5,"logprob_token_ids":[1]}"#,
