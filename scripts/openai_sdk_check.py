@@ -38,6 +38,17 @@ def main(base_url):
         usage,
     )
 
+    # Scoring a continuation the legacy way: the prompt echoed with its logprobs (prefill's)
+    # before the generated tokens' (decode's), offsets running on over both.
+    echoed = client.completions.create(model="m", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1)
+    choice = echoed.choices[0]
+    check("completions echo", choice.text.startswith(PROMPT + "mock decode"), choice.text)
+    tokens, offsets = choice.logprobs.tokens, choice.logprobs.text_offset
+    check("completions echo tokens", "".join(tokens) == choice.text, tokens)
+    running = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    check("completions echo offsets", offsets == running, (offsets, running))
+    check("completions echo first token", choice.logprobs.token_logprobs[0] is None, choice.logprobs)
+
     messages = [{"role": "user", "content": PROMPT}]
     chat = client.chat.completions.create(model="m", messages=messages, max_tokens=5)
     check("chat", chat.choices[0].message.content.startswith("mock decode"), chat)
