@@ -110,7 +110,7 @@ impl EchoedPrompt {
     /// the echoed prompt's start: the inside of the array, written anew.
     fn shifted_offsets(&self, offsets: &[u8]) -> Option<Vec<u8>> {
         let elements = array_elements(offsets)?;
-        let mut written = Vec::with_capacity(offsets.len() + elements.len() * 4);
+        let mut written = Vec::with_capacity(offsets.len() + elements.len());
         for (index, offset) in elements.iter().enumerate() {
             if index > 0 {
                 written.push(b',');
