@@ -171,6 +171,18 @@ async fn a_one_token_echo_with_logprobs_is_answered_by_prefill_alone() {
         assert_eq!(h.only_prefill(&id).body, original.as_bytes());
         assert!(h.decode_requests(&id).is_empty());
     }
+    // lm-eval with a batch size sends several prompts in one: prefill answers them all, with
+    // no KV to hand over.
+    let batched = r#"{"model":"m","prompt":[[11,12,13],[14,15]],"temperature":0,"max_tokens":1,"logprobs":1,"seed":1234,"echo":true}"#;
+    let id = unique_id("echo-logprobs-batched");
+    let reply = Request::post("default", COMPLETIONS)
+        .id(&id)
+        .body(batched)
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(h.only_prefill(&id).body, batched.as_bytes());
+    assert!(h.decode_requests(&id).is_empty());
     // Envoy writes that answer at once: one larger than the gateway's answer limit is refused.
     let id = unique_id("echo-logprobs-huge");
     let reply = Request::post("tight_buffer", COMPLETIONS)

@@ -292,14 +292,6 @@ pub fn prepare_with(
              none of them; send the conversation's input instead, or `previous_response`",
         ));
     }
-    if api == Api::Completions && batches_prompts(&object) {
-        return Err(ClientError::bad_request(
-            "a list of several prompts (prompt_embeds beside a prompt count as two) cannot be \
-             served through prefill/decode disaggregation: vLLM's prefill hands over the KV \
-             of the first prompt only, so the others' KV would wait on prefill until vLLM's \
-             timeout; send one prompt per request",
-        ));
-    }
     let echoes = api == Api::Completions && echoes_prompt_logprobs(&object);
     if echoes && streams {
         return Err(ClientError::bad_request(
@@ -318,6 +310,17 @@ pub fn prepare_with(
             "logprob_token_ids with echo cannot be served through prefill/decode \
              disaggregation beyond one generated token; send max_tokens 0 or 1, or the \
              request without echo",
+        ));
+    }
+    // Prefill answers a one-token echo whole, without handing KV over: several prompts in
+    // one are served as vLLM serves them (lm-eval batches its loglikelihood requests so).
+    if api == Api::Completions && !answered_by_prefill && batches_prompts(&object) {
+        return Err(ClientError::bad_request(
+            "a list of several prompts (prompt_embeds beside a prompt count as two) cannot be \
+             served through prefill/decode disaggregation: vLLM's prefill hands over the KV \
+             of the first prompt only, so the others' KV would wait on prefill until vLLM's \
+             timeout; send one prompt per request (a list is served with echo, logprobs and \
+             max_tokens 0 or 1, which prefill answers alone)",
         ));
     }
     if api == Api::Generate {
@@ -1802,6 +1805,15 @@ mod tests {
             assert_eq!(error.status, 400, "{body}");
             assert!(error.message.contains("echo"), "{}", error.message);
         }
+        // Several prompts are served only where prefill answers alone: no KV to hand over.
+        for body in [
+            r#"{"prompt":["a","b"],"echo":true,"logprobs":1,"max_tokens":5}"#,
+            r#"{"prompt":["a","b"],"max_tokens":1}"#,
+            r#"{"prompt":["a","b"],"echo":true,"max_tokens":1}"#,
+        ] {
+            let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
+            assert!(error.message.contains("several prompts"), "{body}");
+        }
         // Decode gets no echo in any spelling or copy of the key.
         for body in [
             r#"{"prompt":"a","\u0065cho":true,"logprobs":1,"max_tokens":3}"#,
@@ -1896,6 +1908,15 @@ mod tests {
             (
                 r#"{"kv_transfer_params":{"do_remote_prefill":true},"prompt":"a","echo":true,"logprobs":1,"max_tokens":1}"#,
                 r#"{"prompt":"a","echo":true,"logprobs":1,"max_tokens":1}"#,
+            ),
+            // lm-eval with a batch size: several prompts, which prefill answers as one vLLM.
+            (
+                r#"{"model":"m","prompt":[[1,2,3],[4,5]],"temperature":0,"max_tokens":1,"logprobs":1,"seed":1234,"echo":true}"#,
+                r#"{"model":"m","prompt":[[1,2,3],[4,5]],"temperature":0,"max_tokens":1,"logprobs":1,"seed":1234,"echo":true}"#,
+            ),
+            (
+                r#"{"prompt":["a b","c"],"max_tokens":0,"logprobs":0,"echo":true}"#,
+                r#"{"prompt":["a b","c"],"max_tokens":0,"logprobs":0,"echo":true}"#,
             ),
         ] {
             let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
