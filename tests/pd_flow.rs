@@ -171,6 +171,22 @@ async fn a_one_token_echo_with_logprobs_is_answered_by_prefill_alone() {
         assert_eq!(h.only_prefill(&id).body, original.as_bytes());
         assert!(h.decode_requests(&id).is_empty());
     }
+    // Other spellings of 0 (and 1) that vLLM reads as such: a 0 sent on to decode without
+    // echo would be refused there (vLLM takes max_tokens 0 only with echo).
+    for limit in ["0.0", r#""0""#, "false", "-0", "1.0", r#""1""#] {
+        let original = format!(
+            r#"{{"model":"m","prompt":"the quick brown fox","echo":true,"logprobs":1,"max_tokens":{limit}}}"#
+        );
+        let id = unique_id("echo-logprobs-spelled");
+        let reply = Request::post("default", COMPLETIONS)
+            .id(&id)
+            .body(original.clone())
+            .send()
+            .await;
+        assert_eq!(reply.status, 200, "{limit}: {}", reply.body);
+        assert_eq!(h.only_prefill(&id).body, original.as_bytes());
+        assert!(h.decode_requests(&id).is_empty(), "{limit}");
+    }
     // lm-eval with a batch size sends several prompts in one: prefill answers them all, with
     // no KV to hand over.
     let batched = r#"{"model":"m","prompt":[[11,12,13],[14,15]],"temperature":0,"max_tokens":1,"logprobs":1,"seed":1234,"echo":true}"#;

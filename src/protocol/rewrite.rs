@@ -696,10 +696,33 @@ fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
     object.is_true("echo") && object.is_set("logprobs")
 }
 
-/// Whether a completions request's `max_tokens` is 0 or 1, written as a plain integer: with
-/// `echo`, vLLM then generates no token or one, which prefill's answer holds already.
+/// Whether a completions request's `max_tokens` is 0 or 1, in any spelling pydantic reads as
+/// such (`0.0`, `-0`, `false`, `"0"`, `1e0`, `true`, `"1"`, ...): with `echo`, vLLM then
+/// generates no token or one, which prefill's answer holds already. A 0 that went the way
+/// of longer generations would reach decode without `echo`, which vLLM refuses (its
+/// `max_tokens: 0` is only taken with `echo`). A spelling read here that pydantic refuses
+/// goes to prefill as sent, which refuses it as one vLLM would.
 fn generates_at_most_one_token(object: &JsonObject) -> bool {
-    matches!(object.last_value("max_tokens"), Some(b"0" | b"1"))
+    object
+        .last_value("max_tokens")
+        .and_then(lax_number)
+        .is_some_and(|number| number == 0.0 || number == 1.0)
+}
+
+/// A number as pydantic's lax mode reads an int field: a JSON number, a bool, or a string
+/// holding a number (surrounding whitespace and `_` between digits allowed). `None` for
+/// anything else.
+fn lax_number(value: &[u8]) -> Option<f64> {
+    match value {
+        b"true" => Some(1.0),
+        b"false" => Some(0.0),
+        [b'"', ..] => {
+            let text = serde_json::from_slice::<String>(value).ok()?;
+            let digits: String = text.trim().chars().filter(|&c| c != '_').collect();
+            digits.parse::<f64>().ok()
+        }
+        _ => serde_json::from_slice::<f64>(value).ok(),
+    }
 }
 
 /// Whether a completions request sends several prompts in one. vLLM serves the
@@ -1850,13 +1873,12 @@ mod tests {
                 r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"max_tokens":null}"#,
                 json!(0),
             ),
-            // Only a plain 0 or 1 is read as one token.
             (
-                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1.0}"#,
+                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":2.0}"#,
                 json!(0),
             ),
             (
-                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":"1"}"#,
+                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":"0.5"}"#,
                 json!(0),
             ),
         ] {
@@ -1922,6 +1944,22 @@ mod tests {
             let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
             assert!(prepared.answered_by_prefill, "{body}");
             assert_eq!(String::from_utf8(prepared.prefill_body).unwrap(), prefills);
+        }
+        // Every spelling pydantic reads as 0 or 1: a 0 sent on to decode without echo would
+        // be refused there (vLLM takes max_tokens 0 only with echo).
+        for limit in [
+            "0.0", "-0", "0e5", "false", r#""0""#, r#"" 0 ""#, r#""0.0""#, r#""-0""#, "1.0", "1e0",
+            "true", r#""1""#, r#""+1""#, r#""1.0""#,
+        ] {
+            for prompt in [r#""a b""#, r#"["a b","c"]"#] {
+                let body = format!(
+                    r#"{{"prompt":{prompt},"echo":true,"logprobs":1,"max_tokens":{limit}}}"#
+                );
+                let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
+                assert!(prepared.answered_by_prefill, "{body}");
+                assert!(!prepared.decode.echo_from_prefill, "{body}");
+                assert_eq!(prepared.prefill_body, body.as_bytes());
+            }
         }
     }
 
