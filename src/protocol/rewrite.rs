@@ -293,7 +293,13 @@ pub fn prepare_with(
         ));
     }
     let echoes = api == Api::Completions && echoes_prompt_logprobs(&object);
-    if echoes && streams {
+    // vLLM has no check of its own on the raw `stream` here: pydantic's reading decides
+    // whether it streams, so a `stream` it reads as false (`"false"`, `"no"`, `"0"`) is
+    // served as one answer.
+    let echo_streams = object
+        .last_value("stream")
+        .is_some_and(|value| truthy(value) && !reads_false(value));
+    if echoes && echo_streams {
         return Err(ClientError::bad_request(
             "echo with logprobs cannot be served through prefill/decode disaggregation in a \
              stream: the echoed prompt's logprobs are computed on prefill, and decode's first \
@@ -675,6 +681,21 @@ pub(super) fn truthy(value: &[u8]) -> bool {
             .and_then(|number| number.parse::<f64>().ok())
             .is_none_or(|number| number != 0.0),
         _ => value == b"true",
+    }
+}
+
+/// Whether pydantic reads a JSON value as a bool false in its lax mode: `false`, a number
+/// equal to 0, or the strings `false`, `0`, `no`, `off`, `f`, `n` in any case (not trimmed).
+fn reads_false(value: &[u8]) -> bool {
+    match value.first() {
+        Some(b'"') => serde_json::from_slice::<String>(value).is_ok_and(|text| {
+            const FALSE: [&str; 6] = ["false", "0", "no", "off", "f", "n"];
+            FALSE.iter().any(|word| text.eq_ignore_ascii_case(word))
+        }),
+        Some(b'-' | b'0'..=b'9') => {
+            serde_json::from_slice::<f64>(value).is_ok_and(|number| number == 0.0)
+        }
+        _ => value == b"false",
     }
 }
 
@@ -1821,12 +1842,30 @@ mod tests {
         for body in [
             r#"{"prompt":"a b","echo":true,"logprobs":1,"stream":true}"#,
             r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"stream":true}"#,
-            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"stream":"false"}"#,
             r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":5,"stream":1}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":5,"stream":"yes"}"#,
+            r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":5,"stream":2}"#,
         ] {
             let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
             assert_eq!(error.status, 400, "{body}");
             assert!(error.message.contains("echo"), "{}", error.message);
+        }
+        // A stream pydantic reads as false is one answer (vLLM checks no raw `stream` for an
+        // echo): served as any other.
+        for (stream, answered_by_prefill) in [
+            (r#""false""#, true),
+            (r#""no""#, false),
+            (r#""0""#, false),
+            (r#""OFF""#, true),
+            ("0.0", false),
+        ] {
+            let limit = if answered_by_prefill { 1 } else { 5 };
+            let body = format!(
+                r#"{{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":{limit},"stream":{stream}}}"#
+            );
+            let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
+            assert_eq!(prepared.answered_by_prefill, answered_by_prefill, "{body}");
+            assert_eq!(prepared.decode.echo_from_prefill, !answered_by_prefill);
         }
         // Several prompts are served only where prefill answers alone: no KV to hand over.
         for body in [
