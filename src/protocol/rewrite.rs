@@ -296,10 +296,7 @@ pub fn prepare_with(
     // vLLM has no check of its own on the raw `stream` here: pydantic's reading decides
     // whether it streams, so a `stream` it reads as false (`"false"`, `"no"`, `"0"`) is
     // served as one answer.
-    let echo_streams = object
-        .last_value("stream")
-        .is_some_and(|value| truthy(value) && !reads_false(value));
-    if echoes && echo_streams {
+    if echoes && streams && !object.last_value("stream").is_some_and(reads_false) {
         return Err(ClientError::bad_request(
             "echo with logprobs cannot be served through prefill/decode disaggregation in a \
              stream: the echoed prompt's logprobs are computed on prefill, and decode's first \
