@@ -353,6 +353,7 @@ pub fn prepare_with(
             REMOTE_DECODE_REQUEST,
             matches!(api, Api::Completions | Api::ChatCompletions) && streamed,
             options.tool_choice,
+            echo_from_prefill,
         )
     };
 
@@ -487,7 +488,8 @@ fn refuse_kv_transfer_params_vllm_refuses(object: &JsonObject) -> Result<(), Cli
 
 /// The client's body (`object`, with its `sampling_params` read as an object) capped to one
 /// generated token, not streamed, with `kv` as its `kv_transfer_params`, and without
-/// `prompt_logprobs` where `drops_prompt_logprobs`.
+/// `prompt_logprobs` where `drops_prompt_logprobs`; with `prompt_alone` (a completions echo
+/// beyond one token), `max_tokens: 0`, which asks vLLM for the echoed prompt alone.
 fn one_token_body(
     api: Api,
     object: &JsonObject,
@@ -495,6 +497,7 @@ fn one_token_body(
     kv: &[u8],
     drops_prompt_logprobs: bool,
     tool_choice: PrefillToolChoice,
+    prompt_alone: bool,
 ) -> Vec<u8> {
     let text = object.text();
     let tool_choice = match (api, tool_choice) {
@@ -505,7 +508,7 @@ fn one_token_body(
     };
     if let Some(tool_choice) = tool_choice {
         let capped =
-            one_token_splice(api, object, Edit::Slot, drops_prompt_logprobs).write(text, kv);
+            one_token_splice(api, object, drops_prompt_logprobs, ONE_TOKEN).write(text, kv);
         let drops_constraints = api == Api::ChatCompletions && constrains_output(object);
         return match JsonObject::parse(&capped) {
             Ok(capped_object) => capped_object
@@ -526,7 +529,10 @@ fn one_token_body(
         };
     }
     if api != Api::Generate {
-        return one_token_splice(api, object, Edit::Slot, drops_prompt_logprobs).write(text, kv);
+        // vLLM answers an echo with `max_tokens: 0` with the prompt alone (it generates the
+        // one token that hands the KV over, and leaves it out of the answer).
+        let max_tokens: &'static [u8] = if prompt_alone { b"0" } else { ONE_TOKEN };
+        return one_token_splice(api, object, drops_prompt_logprobs, max_tokens).write(text, kv);
     }
     // The tokens-in API keeps its limits in `sampling_params`: that object is rewritten
     // first, then the top level gets the KV parameters.
@@ -539,7 +545,7 @@ fn one_token_body(
     };
     match JsonObject::parse(&capped) {
         Ok(capped_object) => {
-            one_token_splice(api, &capped_object, Edit::Slot, false).write(&capped, kv)
+            one_token_splice(api, &capped_object, false, ONE_TOKEN).write(&capped, kv)
         }
         Err(_) => capped,
     }
@@ -629,18 +635,20 @@ fn any_instead_of_named_tool(object: &JsonObject) -> Option<Vec<u8>> {
     Some(choice.splice(edit, &[]).write(choice.text(), b""))
 }
 
+/// The limit of prefill's copy: one generated token.
+const ONE_TOKEN: &[u8] = b"1";
+
 /// `sampling_params` of the tokens-in API capped to one token: one sequence, and that token
 /// not a stop (see [`holds_off_a_stop`]).
 fn one_token_sampling_params(params: &JsonObject) -> Vec<u8> {
-    const ONE: &[u8] = b"1";
     let edit = |key: &str| match key {
-        "max_tokens" | "n" | "min_tokens" => Edit::Replace(ONE),
+        "max_tokens" | "n" | "min_tokens" => Edit::Replace(ONE_TOKEN),
         _ => Edit::Keep,
     };
     let mut append: Vec<(&str, Edit)> = Vec::with_capacity(2);
     for limit in ["max_tokens", "min_tokens"] {
         if !params.has(limit) {
-            append.push((limit, Edit::Replace(ONE)));
+            append.push((limit, Edit::Replace(ONE_TOKEN)));
         }
     }
     params.splice(edit, &append).write(params.text(), b"")
@@ -835,36 +843,29 @@ pub fn minimal_kv_release_body(model: Option<&str>, kv_transfer_params: &[u8]) -
     body
 }
 
-/// The top level of the client's body capped to one generated token, not streamed, with
-/// `kv` as its `kv_transfer_params` (for prefill: asking for remote decode). Each field that
-/// is edited appears once, however often the client repeated it. The tokens-in API's own
-/// limits are in `sampling_params` ([`one_token_body`]); it has no top-level `max_tokens`.
+/// The top level of the client's body capped to one generated token (`max_tokens` written
+/// as given), not streamed, with the slot as its `kv_transfer_params` (for prefill: asking
+/// for remote decode). Each field that is edited appears once, however often the client
+/// repeated it. The tokens-in API's own limits are in `sampling_params` ([`one_token_body`]);
+/// it has no top-level `max_tokens`.
 fn one_token_splice(
     api: Api,
     object: &JsonObject,
-    kv: Edit,
     drops_prompt_logprobs: bool,
+    max_tokens: &'static [u8],
 ) -> Splice {
-    const ONE: &[u8] = b"1";
-    // vLLM answers an echo with `max_tokens: 0` with the prompt alone (it generates the one
-    // token that hands the KV over, and leaves it out of the answer).
-    let max_tokens: &'static [u8] = if api == Api::Completions && echoes_prompt_logprobs(object) {
-        b"0"
-    } else {
-        ONE
-    };
     let edit = |key: &str| match key {
         "max_tokens" if api != Api::Generate => Edit::Replace(max_tokens),
         "max_completion_tokens" | "max_output_tokens" | "n" if api != Api::Generate => {
-            Edit::Replace(ONE)
+            Edit::Replace(ONE_TOKEN)
         }
         "stream" => Edit::Replace(b"false"),
         // A background response answers at once, before prefill has run.
         "background" if api == Api::Responses => Edit::Replace(b"false"),
         // A stored prefill answer (one token) would never be read, and never freed.
         "store" if api == Api::Responses => Edit::Replace(b"false"),
-        KV_TRANSFER_PARAMS => kv,
-        "min_tokens" if holds_off_a_stop(api) => Edit::Replace(ONE),
+        KV_TRANSFER_PARAMS => Edit::Slot,
+        "min_tokens" if holds_off_a_stop(api) => Edit::Replace(ONE_TOKEN),
         "min_tokens" | "min_completion_tokens" | "stream_options" => Edit::Remove,
         "prompt_logprobs" if drops_prompt_logprobs => Edit::Remove,
         _ => Edit::Keep,
@@ -877,20 +878,20 @@ fn one_token_splice(
         append.push(("max_tokens", Edit::Replace(max_tokens)));
     }
     if api == Api::Responses && !object.has("max_output_tokens") {
-        append.push(("max_output_tokens", Edit::Replace(ONE)));
+        append.push(("max_output_tokens", Edit::Replace(ONE_TOKEN)));
     }
     // vLLM's `store` defaults to true.
     if api == Api::Responses && !object.has("store") {
         append.push(("store", Edit::Replace(b"false")));
     }
     if holds_off_a_stop(api) && !object.has("min_tokens") {
-        append.push(("min_tokens", Edit::Replace(ONE)));
+        append.push(("min_tokens", Edit::Replace(ONE_TOKEN)));
     }
     if !object.has("stream") {
         append.push(("stream", Edit::Replace(b"false")));
     }
     if !object.has(KV_TRANSFER_PARAMS) {
-        append.push((KV_TRANSFER_PARAMS, kv));
+        append.push((KV_TRANSFER_PARAMS, Edit::Slot));
     }
     object.splice(edit, &append)
 }
