@@ -465,13 +465,13 @@ impl Session {
                 self.request_id
             );
         }
+        if prompt_logprobs.is_none() && echoed.is_none() {
+            return Ok(None);
+        }
         let held = prompt_logprobs
             .as_ref()
             .map_or(0, Vec::len)
             .saturating_add(echoed.as_ref().map_or(0, EchoedPrompt::added_len));
-        if prompt_logprobs.is_none() && echoed.is_none() {
-            return Ok(None);
-        }
         let size = held.saturating_mul(plan.prompt_logprobs_copies);
         if size.saturating_add(REST_OF_ANSWER) > limit {
             let error = ClientError::prompt_logprobs_too_large(size, limit, REST_OF_ANSWER);
