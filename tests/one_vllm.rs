@@ -741,6 +741,11 @@ async fn vllms_cohere_api_runs_prefill_then_decode_and_answers_in_cohere_shape()
         let (text, _, ended) = answer_text(&reply.body);
         assert!(ended, "{case}: {}", reply.body);
         assert_eq!(text, expected_decode_text("cohere", 5), "{case}");
+        if !stream {
+            // As decode wrote it: vLLM's decode reports the hits prefill handed over (none
+            // here), not the KV it pulled.
+            assert_eq!(reply.json()["usage"]["cached_tokens"], 0, "{}", reply.body);
+        }
         if stream {
             let events = events(&reply.body);
             assert_eq!(events.last().unwrap()["type"], "message-end", "{case}");

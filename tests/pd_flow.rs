@@ -199,6 +199,19 @@ async fn a_one_token_echo_with_logprobs_is_answered_by_prefill_alone() {
     assert_eq!(reply.status, 200, "{}", reply.body);
     assert_eq!(h.only_prefill(&id).body, batched.as_bytes());
     assert!(h.decode_requests(&id).is_empty());
+    // The client gets prefill's answer: a choice per prompt, each echoing its own.
+    let answer = reply.json();
+    let texts: Vec<&str> = answer["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|choice| choice["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts.len(), 2, "{answer}");
+    assert!(
+        texts[0].starts_with("11 12 13") && texts[1].starts_with("14 15"),
+        "{texts:?}"
+    );
     // Envoy writes that answer at once: one larger than the gateway's answer limit is refused.
     let id = unique_id("echo-logprobs-huge");
     let reply = Request::post("tight_buffer", COMPLETIONS)

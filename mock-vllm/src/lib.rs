@@ -504,10 +504,82 @@ async fn inference(
         Ok(parsed) => parsed,
         Err(message) => return Ok(endpoint_error_response(endpoint, 400, &message)),
     };
-    Ok(match role {
-        Role::Prefill => prefill(shared, &parsed, &faults),
-        Role::Decode => decode(shared, &parsed, &faults),
-    })
+    if endpoint == Endpoint::Completions && !parsed.stream {
+        if let Some(prompts) = proto::batched_prompts(&body) {
+            return Ok(batched(shared, &parsed, &faults, prompts).await);
+        }
+    }
+    Ok(answer_one(shared, &parsed, &faults))
+}
+
+fn answer_one(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
+    match shared.role {
+        Role::Prefill => prefill(shared, parsed, faults),
+        Role::Decode => decode(shared, parsed, faults),
+    }
+}
+
+/// Several prompts in one completions request, answered as vLLM answers them: each prompt
+/// as a request of its own, then one answer with every prompt's choices in order (prompt
+/// `k`'s choice `i` at index `k * n + i`) and the usage added up.
+async fn batched(
+    shared: &Shared,
+    parsed: &Parsed,
+    faults: &Faults,
+    prompts: Vec<String>,
+) -> Response<Body> {
+    let mut merged: Option<(Response<()>, Value)> = None;
+    for (k, prompt) in prompts.into_iter().enumerate() {
+        let one = Parsed {
+            prompt,
+            ..parsed.clone()
+        };
+        let response = answer_one(shared, &one, faults);
+        if response.status() != StatusCode::OK {
+            return response;
+        }
+        let (head, body) = response.into_parts();
+        let Ok(collected) = body.collect().await else {
+            return error_response(500, "mock: a batched answer could not be read");
+        };
+        let Ok(mut object) = serde_json::from_slice::<Value>(&collected.to_bytes()) else {
+            return error_response(500, "mock: a batched answer is not JSON");
+        };
+        if let Some(choices) = object["choices"].as_array_mut() {
+            for choice in choices {
+                let index = choice["index"].as_u64().unwrap_or(0);
+                choice["index"] = json!(k as u64 * parsed.n + index);
+            }
+        }
+        merged = Some(match merged {
+            None => (Response::from_parts(head, ()), object),
+            Some((head, mut all)) => {
+                let choices = object["choices"].as_array().cloned().unwrap_or_default();
+                if let Some(all_choices) = all["choices"].as_array_mut() {
+                    all_choices.extend(choices);
+                }
+                for count in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+                    let sum = all["usage"][count].as_u64().unwrap_or(0)
+                        + object["usage"][count].as_u64().unwrap_or(0);
+                    all["usage"][count] = json!(sum);
+                }
+                let cached = &object["usage"]["prompt_tokens_details"]["cached_tokens"];
+                if let (Some(more), Some(so_far)) = (
+                    cached.as_u64(),
+                    all["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+                ) {
+                    all["usage"]["prompt_tokens_details"]["cached_tokens"] = json!(so_far + more);
+                }
+                (head, all)
+            }
+        });
+    }
+    let Some((head, object)) = merged else {
+        return error_response(400, "prompt is required");
+    };
+    let (mut parts, ()) = head.into_parts();
+    parts.headers.remove(CONTENT_LENGTH);
+    Response::from_parts(parts, full(object.to_string()))
 }
 
 fn answer(
@@ -634,7 +706,9 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
         })
     };
     let mut kv = kv;
-    if faults.hands_cached_tokens && kv.is_object() {
+    // Only vLLM 0.33 and later serve the Cohere API, and they hand prefill's hits over.
+    let hands_hits = faults.hands_cached_tokens || parsed.endpoint == Endpoint::Cohere;
+    if hands_hits && kv.is_object() {
         kv["remote_prefill_cached_tokens"] = json!(answer.cached_tokens);
     }
     let mut object = answer.object();

@@ -35,7 +35,7 @@ impl Endpoint {
 }
 
 /// A validated inference request.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Parsed {
     pub endpoint: Endpoint,
     pub stream: bool,
@@ -640,6 +640,12 @@ fn model_or_default(obj: &Map<String, Value>) -> String {
 }
 
 fn completion_prompt(obj: &Map<String, Value>) -> Result<String, String> {
+    completion_prompts(obj).map(|prompts| prompts.join("\n"))
+}
+
+/// Completions' prompts, each as the mock's text: a string, or token ids written as words.
+/// A list of strings or of token lists is one prompt per item.
+fn completion_prompts(obj: &Map<String, Value>) -> Result<Vec<String>, String> {
     const BAD: &str = "prompt must be a string, an array of strings or an array of token ids";
     let ids = |items: &[Value]| -> Option<String> {
         let ids: Option<Vec<String>> = items
@@ -650,23 +656,32 @@ fn completion_prompt(obj: &Map<String, Value>) -> Result<String, String> {
     };
     match obj.get("prompt") {
         None | Some(Value::Null) => Err("prompt is required".into()),
-        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
         Some(Value::Array(items)) if !items.is_empty() => {
             if let Some(text) = ids(items) {
-                return Ok(text);
+                return Ok(vec![text]);
             }
-            let parts: Option<Vec<String>> = items
+            items
                 .iter()
                 .map(|item| match item {
                     Value::String(s) => Some(s.clone()),
                     Value::Array(inner) => ids(inner),
                     _ => None,
                 })
-                .collect();
-            parts.map(|p| p.join("\n")).ok_or_else(|| BAD.into())
+                .collect::<Option<Vec<String>>>()
+                .ok_or_else(|| BAD.into())
         }
         Some(_) => Err(BAD.into()),
     }
+}
+
+/// A completions request with several prompts: each prompt, which vLLM answers as a
+/// request of its own, its choices one after the other in one answer. `None` for one.
+pub(crate) fn batched_prompts(body: &[u8]) -> Option<Vec<String>> {
+    let value: Value = serde_json::from_slice(&without_python_numbers(body)).ok()?;
+    completion_prompts(value.as_object()?)
+        .ok()
+        .filter(|prompts| prompts.len() > 1)
 }
 
 /// Text of a `content` field: a string, or an array of parts whose `text` is kept.

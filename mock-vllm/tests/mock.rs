@@ -582,3 +582,35 @@ async fn generate_limits_and_prompt_logprobs() {
     );
     assert_eq!(p.requests().len(), 4);
 }
+
+#[tokio::test]
+async fn several_prompts_get_their_own_choices_as_from_vllm() {
+    // lm-eval's batched loglikelihood request: each prompt's echo and logprobs in a choice of
+    // its own, prompt k's choice i at index k * n + i, the usage added up.
+    let p = server(Role::Prefill).await;
+    let body = json!({"prompt": ["one two", [5, 6, 7]], "echo": true, "logprobs": 1,
+        "max_tokens": 1, "n": 2, "temperature": 1.0});
+    let reply = post(p.port(), "/v1/completions", &body, None).await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let v = reply.json();
+    let choices = v["choices"].as_array().unwrap();
+    let indexes: Vec<u64> = choices
+        .iter()
+        .map(|c| c["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indexes, [0, 1, 2, 3]);
+    for (choice, prompt) in choices.iter().zip(["one two", "one two", "5 6 7", "5 6 7"]) {
+        let text = choice["text"].as_str().unwrap();
+        assert!(text.starts_with(prompt), "{text} after {prompt}");
+        assert_eq!(choice["logprobs"]["token_logprobs"][0], Value::Null);
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], 5);
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    assert_eq!(v["usage"]["total_tokens"], 9);
+    // One prompt in a list, or a list of token ids, is one prompt.
+    for prompt in [json!(["one two"]), json!([5, 6, 7])] {
+        let body = json!({"prompt": prompt, "max_tokens": 1});
+        let reply = post(p.port(), "/v1/completions", &body, None).await;
+        assert_eq!(reply.json()["choices"].as_array().unwrap().len(), 1);
+    }
+}
