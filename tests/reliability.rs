@@ -841,6 +841,33 @@ async fn content_types_other_than_json_are_400_and_a_missing_one_is_accepted() {
         // Prefill gets content-type application/json whatever the client sent.
         assert_legs(&id, COMPLETIONS, &body);
     }
+    // A compressed body: neither the filter nor vLLM decodes it, and the client is told why
+    // rather than that its body is not JSON.
+    let gzip_of_a_prompt: &[u8] = &[
+        0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x03, 0xab, 0x56, 0x2a, 0x28, 0xca,
+        0xcf, 0x2d, 0x28, 0x51, 0xb2, 0x52, 0xaa, 0x50, 0xaa, 0x05, 0x00,
+    ];
+    for coding in ["gzip", "br"] {
+        let id = unique_id("content-encoding");
+        let reply = Request::post("default", COMPLETIONS)
+            .id(&id)
+            .header("content-encoding", coding)
+            .body(gzip_of_a_prompt)
+            .send()
+            .await;
+        assert_error_without_decode(&reply, &id, 400, "uncompressed");
+        assert!(reply.body.contains(coding), "{}", reply.body);
+        assert!(h.prefill_requests(&id).is_empty());
+    }
+    let id = unique_id("content-encoding-identity");
+    let body = completion(&format!("{id} plain"));
+    let reply = Request::post("default", COMPLETIONS)
+        .id(&id)
+        .header("content-encoding", "identity")
+        .body(&body)
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
     assert_still_serves("default").await;
 }
 

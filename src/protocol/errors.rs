@@ -128,6 +128,15 @@ impl ClientError {
         ))
     }
 
+    /// A body in a content coding (`gzip`, ...), which neither the filter nor vLLM decodes.
+    pub fn body_encoded(coding: &str) -> ClientError {
+        let shown: String = coding.chars().take(64).collect();
+        ClientError::bad_request(format!(
+            "request body has content-encoding {shown:?}, which is not supported: send the \
+             JSON body uncompressed"
+        ))
+    }
+
     pub fn internal(message: impl Into<String>) -> ClientError {
         ClientError::new(500, message)
     }

@@ -19,6 +19,7 @@ pub use prefill_answer::{
     read_prefill_answer, FailureKind, PrefillAnswer, PrefillFailure, PrefillKv,
 };
 pub use rewrite::{
-    check_content_type, is_vllm_json, media_type, prepare, prepare_with, DecodePlan,
-    PrefillOptions, PrefillToolChoice, PreparedRequest, ResponsesStore, KV_TRANSFER_PARAMS,
+    check_content_encoding, check_content_type, is_vllm_json, media_type, prepare, prepare_with,
+    DecodePlan, PrefillOptions, PrefillToolChoice, PreparedRequest, ResponsesStore,
+    KV_TRANSFER_PARAMS,
 };

@@ -47,6 +47,16 @@ pub fn check_content_type(content_type: Option<&str>) -> Result<(), ClientError>
     }
 }
 
+/// A body sent in a content coding (`gzip`, ...) is refused before it is buffered: the
+/// filter reads the body as JSON, as vLLM does, and neither decodes it.
+pub fn check_content_encoding(coding: Option<&str>) -> Result<(), ClientError> {
+    match coding.map(str::trim) {
+        None | Some("") => Ok(()),
+        Some(coding) if coding.eq_ignore_ascii_case("identity") => Ok(()),
+        Some(coding) => Err(ClientError::body_encoded(coding)),
+    }
+}
+
 /// A client request that passed validation: the body for prefill, and the plan for decode's
 /// body (the original is kept by the caller).
 #[derive(Debug)]
@@ -2070,6 +2080,19 @@ mod tests {
             "{}",
             err.message
         );
+    }
+
+    #[test]
+    fn a_compressed_body_is_refused_by_its_content_encoding() {
+        for plain in [None, Some(""), Some("identity"), Some(" Identity ")] {
+            assert!(check_content_encoding(plain).is_ok(), "{plain:?}");
+        }
+        for coding in ["gzip", "br", "deflate, gzip", "x-anything"] {
+            let err = check_content_encoding(Some(coding)).unwrap_err();
+            assert_eq!(err.status, 400);
+            assert!(err.message.contains(coding), "{}", err.message);
+            assert!(err.message.contains("uncompressed"), "{}", err.message);
+        }
     }
 
     #[test]

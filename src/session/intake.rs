@@ -8,7 +8,7 @@ use crate::headers::HeaderLookup;
 use crate::protocol::paths::PathVerdict;
 use crate::protocol::rewrite::strip_kv_transfer_params;
 use crate::protocol::scheduling::parse_prefill_hosts;
-use crate::protocol::{check_content_type, is_vllm_json, ClientError};
+use crate::protocol::{check_content_encoding, check_content_type, is_vllm_json, ClientError};
 use crate::request_id::new_request_id;
 
 use super::*;
@@ -138,7 +138,9 @@ impl Session {
         self.api = Some(api);
 
         self.take_request_id(headers, &mut commands);
-        if let Err(error) = check_content_type(headers.text("content-type")) {
+        let checked = check_content_type(headers.text("content-type"))
+            .and_then(|()| check_content_encoding(headers.text("content-encoding")));
+        if let Err(error) = checked {
             commands.extend(self.reject(&error));
             return Step::new(Flow::Pause, commands);
         }
