@@ -212,6 +212,18 @@ async fn a_one_token_echo_with_logprobs_is_answered_by_prefill_alone() {
         texts[0].starts_with("11 12 13") && texts[1].starts_with("14 15"),
         "{texts:?}"
     );
+    // An echo of the prompt alone generates nothing: prefill answers it, logprobs or not.
+    let alone = r#"{"model":"m","prompt":"echo me alone","echo":true,"max_tokens":0}"#;
+    let id = unique_id("echo-alone");
+    let reply = Request::post("default", COMPLETIONS)
+        .id(&id)
+        .body(alone)
+        .send()
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(h.only_prefill(&id).body, alone.as_bytes());
+    assert!(h.decode_requests(&id).is_empty());
+    assert_eq!(reply.json()["choices"][0]["text"], "echo me alone");
     // Envoy writes that answer at once: one larger than the gateway's answer limit is refused.
     let id = unique_id("echo-logprobs-huge");
     let reply = Request::post("tight_buffer", COMPLETIONS)

@@ -313,8 +313,31 @@ pub fn prepare_with(
              chunk would lack them; send the request without stream",
         ));
     }
-    let answered_by_prefill = echoes && generates_at_most_one_token(&object);
+    // An echo of the prompt alone (`max_tokens` 0, not streamed) generates nothing: prefill
+    // answers it as one vLLM would, even when the prompt fills the context, where a
+    // one-token copy would have no room left.
+    let echoes_alone = api == Api::Completions
+        && object.is_true("echo")
+        && !object.is_true("stream")
+        && generates_no_token(&object);
+    let answered_by_prefill = (echoes && generates_at_most_one_token(&object)) || echoes_alone;
     let echo_from_prefill = echoes && !answered_by_prefill;
+    if echo_from_prefill
+        && object
+            .last_value("truncate_prompt_tokens")
+            .and_then(lax_number)
+            .is_some_and(|number| number == -1.0)
+    {
+        // vLLM truncates to the whole context for prefill's `max_tokens: 0` and leaves a
+        // token for generation on decode: the two legs would compute different prompts.
+        return Err(ClientError::invalid_field(
+            "truncate_prompt_tokens",
+            "echo with logprobs and truncate_prompt_tokens -1 cannot be served through \
+             prefill/decode disaggregation beyond one generated token: prefill and decode \
+             would truncate the prompt to different lengths; send a positive \
+             truncate_prompt_tokens below the model's context length",
+        ));
+    }
     if echo_from_prefill && object.last_value("logprob_token_ids").is_some_and(truthy) {
         // Prefill is asked for the prompt alone (`max_tokens: 0`), which vLLM refuses with
         // logprob_token_ids.
@@ -743,6 +766,14 @@ fn generates_at_most_one_token(object: &JsonObject) -> bool {
         .last_value("max_tokens")
         .and_then(lax_number)
         .is_some_and(|number| number == 0.0 || number == 1.0)
+}
+
+/// Whether a completions request's `max_tokens` is 0, in any spelling pydantic reads so.
+fn generates_no_token(object: &JsonObject) -> bool {
+    object
+        .last_value("max_tokens")
+        .and_then(lax_number)
+        .is_some_and(|number| number == 0.0)
 }
 
 /// A number as pydantic's lax mode reads an int field: a JSON number, a bool, or a string
@@ -1840,6 +1871,37 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn an_echo_of_the_prompt_alone_is_answered_by_prefill() {
+        // max_tokens 0 generates nothing: prefill gets the client's body, which fits even a
+        // prompt that fills the context, where max_tokens 1 would not.
+        for body in [
+            r#"{"prompt":"a b","echo":true,"max_tokens":0}"#,
+            r#"{"prompt":"a b","echo":"true","max_tokens":"0","kv_transfer_params":null}"#,
+            r#"{"prompt":["a","b"],"echo":true,"max_tokens":0.0}"#,
+        ] {
+            let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
+            assert!(prepared.answered_by_prefill, "{body}");
+            assert!(!String::from_utf8_lossy(&prepared.prefill_body).contains("kv_transfer"));
+        }
+        // Generating, or streamed: the two legs, as before.
+        for body in [
+            r#"{"prompt":"a b","echo":true,"max_tokens":1}"#,
+            r#"{"prompt":"a b","echo":true,"max_tokens":0,"stream":true}"#,
+            r#"{"prompt":"a b","max_tokens":3}"#,
+        ] {
+            let prepared = prepare(Api::Completions, body.as_bytes()).unwrap();
+            assert!(!prepared.answered_by_prefill, "{body}");
+        }
+        // Truncation to the whole context: vLLM would truncate prefill's prompt-alone copy
+        // one token longer than decode's.
+        let body = r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":3,"truncate_prompt_tokens":-1}"#;
+        let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
+        assert_eq!(error.param, Some("truncate_prompt_tokens"));
+        let body = r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":3,"truncate_prompt_tokens":100}"#;
+        assert!(prepare(Api::Completions, body.as_bytes()).is_ok());
     }
 
     #[test]
