@@ -303,6 +303,8 @@ pub fn prepare_with(
         ));
     }
     let echoes = api == Api::Completions && echoes_prompt_logprobs(&object);
+    // What pydantic reads: whether the answer is streamed.
+    let streamed = object.is_true("stream");
     // vLLM has no check of its own on the raw `stream` here: pydantic's reading decides
     // whether it streams, so a `stream` it reads as false (`"false"`, `"no"`, `"0"`) is
     // served as one answer.
@@ -315,12 +317,14 @@ pub fn prepare_with(
     }
     // An echo of the prompt alone (`max_tokens` 0, not streamed) generates nothing: prefill
     // answers it as one vLLM would, even when the prompt fills the context, where a
-    // one-token copy would have no room left.
-    let echoes_alone = api == Api::Completions
-        && object.is_true("echo")
-        && !object.is_true("stream")
-        && generates_no_token(&object);
-    let answered_by_prefill = (echoes && generates_at_most_one_token(&object)) || echoes_alone;
+    // one-token copy would have no room left. `max_tokens` is read for echoes only.
+    let echo_max_tokens = (api == Api::Completions && object.is_true("echo"))
+        .then(|| max_tokens_as_read(&object))
+        .flatten();
+    let echoes_alone = echo_max_tokens == Some(0.0) && !streamed;
+    let at_most_one_token =
+        matches!(echo_max_tokens, Some(number) if number == 0.0 || number == 1.0);
+    let answered_by_prefill = (echoes && at_most_one_token) || echoes_alone;
     let echo_from_prefill = echoes && !answered_by_prefill;
     if echo_from_prefill
         && object
@@ -372,8 +376,6 @@ pub fn prepare_with(
         }
     }
     limits::refuse_what_vllm_refuses(api, &object, sampling_params.as_ref())?;
-    // What pydantic reads: whether the answer is streamed.
-    let streamed = object.is_true("stream");
     // A stream carries no prompt logprobs: vLLM computes them (without its prefix cache)
     // and sends none, so prefill is not asked for them.
     let prefill_body = if answered_by_prefill {
@@ -755,25 +757,14 @@ fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
     object.is_true("echo") && object.is_set("logprobs")
 }
 
-/// Whether a completions request's `max_tokens` is 0 or 1, in any spelling pydantic reads as
-/// such (`0.0`, `-0`, `false`, `"0"`, `1e0`, `true`, `"1"`, ...): with `echo`, vLLM then
-/// generates no token or one, which prefill's answer holds already. A 0 that went the way
-/// of longer generations would reach decode without `echo`, which vLLM refuses (its
-/// `max_tokens: 0` is only taken with `echo`). A spelling read here that pydantic refuses
-/// goes to prefill as sent, which refuses it as one vLLM would.
-fn generates_at_most_one_token(object: &JsonObject) -> bool {
-    object
-        .last_value("max_tokens")
-        .and_then(lax_number)
-        .is_some_and(|number| number == 0.0 || number == 1.0)
-}
-
-/// Whether a completions request's `max_tokens` is 0, in any spelling pydantic reads so.
-fn generates_no_token(object: &JsonObject) -> bool {
-    object
-        .last_value("max_tokens")
-        .and_then(lax_number)
-        .is_some_and(|number| number == 0.0)
+/// A completions request's `max_tokens` in any spelling pydantic reads as a number (`0.0`,
+/// `-0`, `false`, `"0"`, `1e0`, `true`, `"1"`, ...). With `echo`, a 0 or 1 generates no
+/// token or one, which prefill's answer holds already. A 0 that went the way of longer
+/// generations would reach decode without `echo`, which vLLM refuses (its `max_tokens: 0` is
+/// only taken with `echo`). A spelling read here that pydantic refuses goes to prefill as
+/// sent, which refuses it as one vLLM would.
+fn max_tokens_as_read(object: &JsonObject) -> Option<f64> {
+    object.last_value("max_tokens").and_then(lax_number)
 }
 
 /// A number as pydantic's lax mode reads an int field: a JSON number, a bool, or a string
