@@ -75,6 +75,7 @@ struct RawConfig {
     max_kv_releases_in_flight: u32,
     kv_release_timeout_ms: u64,
     max_abandoned_prefills_per_client: u32,
+    decode_outage_retry_ms: u64,
     max_log_lines_per_second: u32,
 }
 
@@ -119,6 +120,7 @@ impl Default for RawConfig {
             max_kv_releases_in_flight: 64,
             kv_release_timeout_ms: 30_000,
             max_abandoned_prefills_per_client: 32,
+            decode_outage_retry_ms: 1_000,
             max_log_lines_per_second: crate::log_budget::LINES_PER_SECOND,
         }
     }
@@ -224,6 +226,9 @@ pub struct Config {
     /// Prefill calls still running after their client left, per client address and Envoy
     /// worker, past which the client's new requests are refused (429); 0: no limit.
     pub max_abandoned_prefills_per_client: u32,
+    /// While Envoy cannot connect to a model's decode, that model's requests are refused
+    /// (503) before prefill, one let through per this period; zero: never refused.
+    pub decode_outage_retry: Duration,
     /// Lines at info level and above one Envoy worker writes per second; 0: no limit.
     pub max_log_lines_per_second: u32,
 }
@@ -619,6 +624,7 @@ impl Config {
             max_kv_releases_in_flight: raw.max_kv_releases_in_flight,
             kv_release_timeout: Duration::from_millis(raw.kv_release_timeout_ms),
             max_abandoned_prefills_per_client: raw.max_abandoned_prefills_per_client,
+            decode_outage_retry: Duration::from_millis(raw.decode_outage_retry_ms),
             max_log_lines_per_second: raw.max_log_lines_per_second,
         })
     }
@@ -745,6 +751,7 @@ const SHAPES: &[(&str, Shape)] = &[
         "max_abandoned_prefills_per_client",
         Shape::Count(u32::MAX as u64),
     ),
+    ("decode_outage_retry_ms", Shape::Count(3_600_000)),
     ("max_log_lines_per_second", Shape::Count(u32::MAX as u64)),
 ];
 

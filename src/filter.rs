@@ -38,6 +38,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Stat
 use crate::abandoned::AbandonedPrefills;
 use crate::callouts::{Attempt, Caller, Callouts, Job, NotKept, ReleaseStart, Retry};
 use crate::config::Config;
+use crate::decode_outage::DecodeOutages;
 use crate::headers::HeaderLookup;
 use crate::held_bytes::HeldBytes;
 use crate::held_headers_check::{HeldHeadersCheck, NO_BODY_WARNING_AFTER};
@@ -58,6 +59,7 @@ proxy_wasm::main! {{
             config: None,
             held: HeldBytes::new(0),
             abandoned: AbandonedPrefills::default(),
+            decode_outages: DecodeOutages::default(),
             worker: Rc::new(Worker::new(root_id)),
         })
     });
@@ -69,6 +71,7 @@ struct PdRoot {
     held: HeldBytes,
     /// This VM's prefill calls still running after their clients left, by client.
     abandoned: AbandonedPrefills,
+    decode_outages: DecodeOutages,
     worker: Rc<Worker>,
 }
 
@@ -812,6 +815,7 @@ impl RootContext for PdRoot {
                     .borrow_mut()
                     .set_release_bound(config.max_kv_releases_in_flight, self.held.clone());
                 self.abandoned = AbandonedPrefills::new(config.max_abandoned_prefills_per_client);
+                self.decode_outages = DecodeOutages::new(config.decode_outage_retry);
                 self.config = Some(Rc::new(config));
                 true
             }
@@ -851,7 +855,8 @@ impl RootContext for PdRoot {
                 context_id,
                 session: RefCell::new(
                     Session::new(config, self.held.clone())
-                        .with_abandoned_prefills(self.abandoned.clone()),
+                        .with_abandoned_prefills(self.abandoned.clone())
+                        .with_decode_outages(self.decode_outages.clone()),
                 ),
                 alive: Cell::new(true),
                 in_request_callback: Cell::new(false),
@@ -979,6 +984,7 @@ impl HttpContext for PdRequest {
             end_of_stream,
             code_details: details.as_deref(),
             decode_connected: envoys_own.then(decode_was_connected),
+            envoys_own_at: envoys_own.then(|| host::now().unwrap_or(UNIX_EPOCH)),
         };
         let step = self.request.session.borrow_mut().on_response_headers(&head);
         self.run(step)

@@ -4,7 +4,7 @@
 //! [`session`] (one request's state machine), [`callouts`] (a worker's calls, which outlive
 //! requests), [`protocol`] (the P/D protocol by job),
 //! [`config`], [`headers`], [`held_bytes`], [`held_headers_check`], [`abandoned`],
-//! [`request_id`], [`json`], [`log_budget`] and [`api`]. `filter`, `host`, `logger` and
+//! [`decode_outage`], [`request_id`], [`json`], [`log_budget`] and [`api`]. `filter`, `host`, `logger` and
 //! `stats` are the thin adapter to the proxy-wasm host; they are only built for wasm32 and
 //! left out of test builds, so that the unit tests also run as wasm32 (under Node's WASI).
 
@@ -26,6 +26,7 @@ pub mod abandoned;
 pub mod api;
 pub mod callouts;
 pub mod config;
+pub mod decode_outage;
 pub mod headers;
 pub mod held_bytes;
 pub mod held_headers_check;

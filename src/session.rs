@@ -9,6 +9,7 @@ use std::time::{Duration, SystemTime};
 use crate::abandoned::{AbandonedMark, AbandonedPrefills};
 use crate::api::Api;
 use crate::config::Config;
+use crate::decode_outage::DecodeOutages;
 use crate::held_bytes::HeldBytes;
 use crate::protocol::usage::PromptUsage;
 use crate::protocol::{ClientError, FailureKind, PrefillFailure};
@@ -218,6 +219,10 @@ pub struct Session {
     /// This request's place in `abandoned` once its client has left during prefill: given
     /// back when the session goes, after prefill's answer.
     _abandoned_mark: Option<AbandonedMark>,
+    /// This VM's models whose decode Envoy cannot connect to.
+    decode_outages: DecodeOutages,
+    /// The model this request went to prefill for, while decode outages are followed.
+    decode_model: Option<String>,
     upload: Upload,
     /// The request's headers were held for a body still to come.
     headers_held_for_body: bool,
@@ -300,6 +305,8 @@ impl Session {
             abandoned: AbandonedPrefills::default(),
             client: None,
             _abandoned_mark: None,
+            decode_outages: DecodeOutages::default(),
+            decode_model: None,
             upload: Upload::Ended,
             headers_held_for_body: false,
             prompt_mismatch_noted: false,
@@ -342,6 +349,24 @@ impl Session {
     pub fn with_abandoned_prefills(mut self, abandoned: AbandonedPrefills) -> Session {
         self.abandoned = abandoned;
         self
+    }
+
+    /// Follows, with the rest of this VM's requests, which models' decode Envoy cannot
+    /// connect to, and refuses requests for them before prefill.
+    pub fn with_decode_outages(mut self, outages: DecodeOutages) -> Session {
+        self.decode_outages = outages;
+        self
+    }
+
+    /// Envoy cannot connect to decode for this request's model: a 503 before prefill.
+    fn refuse_decode_unreachable(&mut self, wait: Duration) -> Vec<Command> {
+        log::debug!(
+            "[{}] refused with 503: decode for its model could not be reached",
+            self.request_id
+        );
+        let mut commands = self.outcome(Outcome::DecodeUnreachable);
+        commands.push(self.reply(&ClientError::decode_unreachable(wait)));
+        commands
     }
 
     fn hold_or_continue(&self) -> Step {

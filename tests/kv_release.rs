@@ -513,3 +513,69 @@ async fn a_client_that_leaves_many_prefills_running_is_refused_until_they_end() 
     }
     assert_filter_healthy();
 }
+
+/// Sends a completion request to `listener` every `gap`, `count` times: the status of each
+/// and whether prefill got it.
+async fn requests_in_a_row(listener: &str, count: usize, gap: Duration) -> Vec<(u16, bool)> {
+    let mut seen = Vec::new();
+    for _ in 0..count {
+        let id = unique_id("outage");
+        let reply = post(listener, &id, "decode is down").send().await;
+        if reply.status == 503 && harness().prefill_requests(&id).is_empty() {
+            let error = reply.json();
+            assert_eq!(error["error"]["type"], "ServiceUnavailableError", "{error}");
+            assert_eq!(reply.header("retry-after"), Some("1"));
+            assert_eq!(reply.header("x-request-id"), Some(id.as_str()));
+        }
+        seen.push((reply.status, !harness().prefill_requests(&id).is_empty()));
+        tokio::time::sleep(gap).await;
+    }
+    seen
+}
+
+#[tokio::test]
+async fn while_decode_cannot_be_reached_requests_are_refused_before_prefill() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let refused = r#"pd_filter_requests{api="completions",outcome="decode_unreachable"}"#;
+    let refused_before = h.counter(refused);
+    for listener in ["decode_outage", "decode_outage_passed"] {
+        // Each Envoy worker learns on its own: at least three failures over 200 ms.
+        let first = requests_in_a_row(listener, 12, Duration::from_millis(60)).await;
+        assert!(first.iter().all(|(status, _)| *status == 503), "{first:?}");
+        let prefilled = first.iter().filter(|(_, prefilled)| *prefilled).count();
+        assert!(prefilled >= 3, "{listener}: {first:?}");
+        // Then none goes to prefill until a second has passed.
+        let then = requests_in_a_row(listener, 8, Duration::ZERO).await;
+        assert_eq!(then, vec![(503, false); 8], "{listener}");
+    }
+    assert!(h.counter(refused) >= refused_before + 16);
+
+    // Decode comes back: within a second or so one request per worker finds it, and
+    // requests go on again.
+    let address = format!("127.0.0.1:{}", h.outage_decode_port);
+    let _decode = mock_vllm::MockServer::start(mock_vllm::Role::Decode, &address)
+        .await
+        .expect("decode on the outage port");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut served_in_a_row = 0;
+    while served_in_a_row < 6 {
+        assert!(
+            Instant::now() < deadline,
+            "decode is back but requests are refused"
+        );
+        let id = unique_id("outage-over");
+        let reply = post("decode_outage", &id, "decode is back").send().await;
+        served_in_a_row = if reply.status == 200 {
+            served_in_a_row + 1
+        } else {
+            0
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(())
+    );
+    assert_filter_healthy();
+}

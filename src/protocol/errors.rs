@@ -1,5 +1,7 @@
 //! Errors the client is answered with, in the shape of the API it called.
 
+use std::time::Duration;
+
 use crate::api::Api;
 
 /// An error answered to the client: `{"error":{"message","type","param","code"}}`, or
@@ -87,6 +89,19 @@ impl ClientError {
                  may ({limit} bytes per Envoy worker, max_vm_held_bytes); retry shortly"
             ),
         )
+    }
+
+    /// Envoy could not connect to decode for the model's recent requests: none goes to
+    /// prefill until one gets through, which may be in `wait`.
+    pub fn decode_unreachable(wait: Duration) -> ClientError {
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        ClientError {
+            retry_after_seconds: Some(u32::try_from(seconds.max(1)).unwrap_or(u32::MAX)),
+            ..ClientError::new(
+                503,
+                "the decode servers for this model cannot be reached; retry shortly",
+            )
+        }
     }
 
     /// Prefill's prompt logprobs (`size` bytes) would make decode's answer larger than the

@@ -1,7 +1,10 @@
 //! Decode's answer on its way to the client: what only prefill knows (the prompt's usage,
 //! prompt logprobs) written into it.
 
+use std::time::SystemTime;
+
 use crate::config::Config;
+use crate::decode_outage::is_connect_failure;
 use crate::protocol::kv_release::{decode_answered_an_error, decode_will_not_read};
 use crate::protocol::usage::{merge_answer, EventStream, Rewritten};
 use crate::protocol::{media_type, prompt_logprobs};
@@ -49,6 +52,8 @@ pub struct ResponseHead<'a> {
     pub code_details: Option<&'a str>,
     /// For an answer Envoy made itself: whether the stream ever had a connection to decode.
     pub decode_connected: Option<bool>,
+    /// For an answer Envoy made itself: when it came.
+    pub envoys_own_at: Option<SystemTime>,
 }
 
 impl ResponseHead<'_> {
@@ -79,7 +84,7 @@ impl Session {
     /// Whether the response concerns the session at all: only a request sent on to decode
     /// by the filter. Every other answer goes by without its headers being read.
     pub fn watches_response(&self) -> bool {
-        matches!(self.state, State::Decoding { .. })
+        matches!(self.state, State::Decoding { .. }) || self.decode_model.is_some()
     }
 
     /// Whether [`Session::on_response_headers`] needs Envoy's `response.code_details` for an
@@ -94,12 +99,13 @@ impl Session {
                 ..
             }
         );
-        unread && status.is_none_or(|status| status >= 400)
+        (unread || self.decode_model.is_some()) && status.is_none_or(|status| status >= 400)
     }
 
     /// The response to the client begins. Its headers wait only for a JSON answer whose
     /// usage is merged, when its length is announced and headers may be held.
     pub fn on_response_headers(&mut self, head: &ResponseHead) -> Step {
+        self.note_whether_decode_was_reached(head);
         let config = self.config.clone();
         let State::Decoding {
             prefill_time,
@@ -190,6 +196,32 @@ impl Session {
             }
         }
         Step::new(flow, commands)
+    }
+
+    /// Tells the VM's [`crate::decode_outage::DecodeOutages`] whether decode could be reached for this request:
+    /// from the answer to a request sent on to decode, or from Envoy's own answer while
+    /// prefill runs, where request headers go on before the body (Envoy connects to decode
+    /// for them at once).
+    fn note_whether_decode_was_reached(&mut self, head: &ResponseHead) {
+        let to_decode = matches!(
+            self.state,
+            State::Decoding { .. } | State::RereadingForRetry { .. }
+        ) || self.prefill_running();
+        if !to_decode {
+            return;
+        }
+        let Some(model) = self.decode_model.take() else {
+            return;
+        };
+        match (head.code_details, head.envoys_own_at) {
+            (Some(details), Some(now)) if is_connect_failure(details) => {
+                self.decode_outages.connect_failed(&model, now);
+            }
+            // Another answer of Envoy's own (a timeout, a full pool) says nothing of whether
+            // decode can be reached; an answer under 400 is decode's.
+            (Some(details), _) if details != "via_upstream" => {}
+            _ => self.decode_outages.reached(&model),
+        }
     }
 
     /// `size` bytes of the answer arrived (all of it held so far, for a whole answer).

@@ -15,19 +15,23 @@ pub enum Outcome {
     PrefillFailed,
     /// Answered 503 because the filter held as much as it may (`max_vm_held_bytes`).
     Overloaded,
+    /// Answered 503 before prefill because Envoy could not connect to decode for the
+    /// model's recent requests.
+    DecodeUnreachable,
     /// The stream ended while prefill ran, or before the body had all come: the client
     /// left, or Envoy ended the stream (a timeout or limit of its own).
     Abandoned,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::Decoded,
         Outcome::DecodeOnly,
         Outcome::PrefillAnswered,
         Outcome::ClientError,
         Outcome::PrefillFailed,
         Outcome::Overloaded,
+        Outcome::DecodeUnreachable,
         Outcome::Abandoned,
     ];
 
@@ -39,6 +43,7 @@ impl Outcome {
             Outcome::ClientError => "client_error",
             Outcome::PrefillFailed => "prefill_failed",
             Outcome::Overloaded => "overloaded",
+            Outcome::DecodeUnreachable => "decode_unreachable",
             Outcome::Abandoned => "abandoned",
         }
     }

@@ -201,6 +201,18 @@ impl Session {
                 commands.push(Command::ClearRouteCache);
             }
         }
+        if self.decode_outages.is_on() {
+            // A name longer than any model's is followed as no model.
+            let model = prepared
+                .model
+                .as_deref()
+                .filter(|model| model.len() <= MAX_KEPT_MODEL_LEN)
+                .unwrap_or_default();
+            if let Err(wait) = self.decode_outages.admit(model, now) {
+                return Step::new(Flow::Pause, self.refuse_decode_unreachable(wait));
+            }
+            self.decode_model = Some(model.to_owned());
+        }
         commands.push(Command::Record(Metric::Orchestrated(pending.api)));
         let cluster = match &config.prefill_host_cluster {
             Some(cluster) if !pending.scheduled_hosts.is_empty() => Rc::from(cluster.as_str()),

@@ -510,6 +510,7 @@ impl Host {
                 end_of_stream: false,
                 code_details: wanted.then_some(details),
                 decode_connected: wanted.then_some(connected),
+                envoys_own_at: wanted.then(|| self.now()),
             };
             self.in_response_callback = true;
             let step = self.session.on_response_headers(&head);
@@ -543,6 +544,7 @@ impl Host {
                 end_of_stream: false,
                 code_details: Some("via_upstream"),
                 decode_connected: None,
+                envoys_own_at: None,
             };
             self.trace
                 .push(format!("decode answers {status} {content_type}"));

@@ -533,6 +533,7 @@ fn upstream(status: u16) -> ResponseHead<'static> {
         end_of_stream: false,
         code_details: Some("via_upstream"),
         decode_connected: None,
+        envoys_own_at: None,
     }
 }
 
@@ -546,6 +547,7 @@ fn unreached(details: &'static str) -> ResponseHead<'static> {
         end_of_stream: false,
         code_details: Some(details),
         decode_connected: None,
+        envoys_own_at: None,
     }
 }
 
@@ -771,8 +773,9 @@ fn kv_is_released_when_the_client_leaves_before_decode_can_have_read_the_request
             "connected: {connected_then}"
         );
     }
-    // Switched off with the rest of the releases.
-    let mut s = prefilling(r#"{"release_kv_on_abandon":false}"#);
+    // Switched off with the rest of the releases (and with decode outages not followed,
+    // which read the same details).
+    let mut s = prefilling(r#"{"release_kv_on_abandon":false,"decode_outage_retry_ms":0}"#);
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(s
         .on_client_left_before_decode_answered(at(6), connected)
@@ -825,8 +828,9 @@ fn kv_is_released_when_decode_refuses_a_request_prefill_served() {
     };
     assert!(!has_release(&s.on_response_headers(&envoys).commands));
 
-    // Switched off with the rest of the releases.
-    let mut s = prefilling(r#"{"release_kv_on_abandon":false}"#);
+    // Switched off with the rest of the releases (and with decode outages not followed,
+    // which read the same details).
+    let mut s = prefilling(r#"{"release_kv_on_abandon":false,"decode_outage_retry_ms":0}"#);
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(!s.wants_response_details(Some(400)));
     assert!(!has_release(
@@ -2703,4 +2707,91 @@ fn an_echo_with_logprobs_beyond_one_token_gets_prefills_prompt_before_decodes_an
         written["choices"][1]["prompt_logprobs"],
         written["choices"][0]["prompt_logprobs"]
     );
+}
+
+/// A chat request for `model` sent at `now_ms`, sharing `outages` with the VM's others.
+fn chat_for(outages: &DecodeOutages, model: &str, now_ms: u64) -> (Session, Vec<Command>) {
+    let mut s = session("").with_decode_outages(outages.clone());
+    let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
+    s.on_request_headers(&post("/v1/chat/completions"), false);
+    s.on_request_body(body.len(), true);
+    let step = s.on_request_complete(body.into_bytes(), at(now_ms));
+    (s, step.commands)
+}
+
+/// Decode's answer (or Envoy's in its place) to a request that went to prefill at `now_ms`.
+fn decode_answers(s: &mut Session, head: ResponseHead<'_>, now_ms: u64) {
+    s.on_prefill_dispatched(Some(1), at(now_ms));
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(now_ms + 1));
+    s.on_response_headers(&ResponseHead {
+        envoys_own_at: Some(at(now_ms + 2)),
+        ..head
+    });
+}
+
+#[test]
+fn while_envoy_cannot_connect_to_decode_requests_are_refused_before_prefill() {
+    let refused = "upstream_reset_before_response_started{remote_connection_failure}";
+    let outages = DecodeOutages::new(Duration::from_millis(1_000));
+    for now_ms in [0, 150, 300] {
+        let (mut s, commands) = chat_for(&outages, "m", now_ms);
+        dispatched(&commands);
+        decode_answers(&mut s, unreached(refused), now_ms);
+    }
+
+    let (_, commands) = chat_for(&outages, "m", 400);
+    assert!(!commands
+        .iter()
+        .any(|c| matches!(c, Command::DispatchPrefill(_))));
+    let (status, body) = reply(&commands);
+    assert_eq!(status, 503);
+    assert_eq!(body["error"]["type"], "ServiceUnavailableError");
+    let retry_after = commands.iter().find_map(|c| match c {
+        Command::SendReply(reply) => reply
+            .headers
+            .iter()
+            .find(|(name, _)| name == "retry-after")
+            .map(|(_, value)| value.clone()),
+        _ => None,
+    });
+    assert_eq!(retry_after.as_deref(), Some("1"));
+    assert_eq!(
+        metrics(&commands),
+        [Metric::Request(
+            Api::ChatCompletions,
+            Outcome::DecodeUnreachable
+        )]
+    );
+    // Another model's decode may be up.
+    dispatched(&chat_for(&outages, "other", 400).1);
+
+    // A second later one request goes on to see whether decode is back; the rest wait for it.
+    let (mut probe, commands) = chat_for(&outages, "m", 1_310);
+    dispatched(&commands);
+    assert_eq!(reply(&chat_for(&outages, "m", 1_320).1).0, 503);
+    // Decode answered it (an error of its own is an answer): requests go on again.
+    decode_answers(&mut probe, upstream(400), 1_310);
+    dispatched(&chat_for(&outages, "m", 1_330).1);
+
+    // Where request headers go on before the body, Envoy connects to decode at once and
+    // answers while prefill runs.
+    let outages = DecodeOutages::new(Duration::from_millis(1_000));
+    for now_ms in [0, 150, 300] {
+        let (mut s, _) = chat_for(&outages, "m", now_ms);
+        s.on_prefill_dispatched(Some(1), at(now_ms));
+        assert!(s.watches_response() && s.wants_response_details(Some(503)));
+        s.on_response_headers(&ResponseHead {
+            envoys_own_at: Some(at(now_ms + 1)),
+            ..unreached(refused)
+        });
+    }
+    assert_eq!(reply(&chat_for(&outages, "m", 400).1).0, 503);
+
+    // Envoy's other answers (a timeout in decode's pool) say nothing about an outage.
+    let outages = DecodeOutages::new(Duration::from_millis(1_000));
+    for now_ms in [0, 150, 300] {
+        let (mut s, _) = chat_for(&outages, "m", now_ms);
+        decode_answers(&mut s, unreached("upstream_response_timeout"), now_ms);
+    }
+    dispatched(&chat_for(&outages, "m", 400).1);
 }

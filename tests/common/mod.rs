@@ -33,6 +33,9 @@ pub enum DecodeRoute {
     ByPickerHeader,
     /// To a closed port: decode never takes the request.
     Unreachable,
+    /// To the `decode_outage` cluster, whose port is closed until a test starts a decode
+    /// there ([`Harness::outage_decode_port`]).
+    Outage,
     /// To a port that never completes a connection: Envoy gives up after its connect
     /// timeout (1 s), long after prefill answered.
     Blackholed,
@@ -184,6 +187,20 @@ pub const LISTENERS: &[Listener] = &[
     // Decode cannot be reached, nor at first the cluster releases go to (`decode_late`,
     // where a test starts a decode later). Headers held as shipped, so that the router's
     // failed connection to decode never comes before prefill has the request.
+    // Decode is down until a test starts it (tests/kv_release.rs): headers held as shipped,
+    // and passed at once as under Istio (decode never up there).
+    Listener {
+        decode_route: DecodeRoute::Outage,
+        allow_on_headers_stop_iteration: true,
+        ..plain(
+            "decode_outage",
+            r#"{"decode_cluster":"decode_outage","hold_request_headers":true}"#,
+        )
+    },
+    Listener {
+        decode_route: DecodeRoute::Unreachable,
+        ..plain("decode_outage_passed", "")
+    },
     Listener {
         decode_route: DecodeRoute::Unreachable,
         allow_on_headers_stop_iteration: true,
@@ -225,6 +242,8 @@ pub struct Harness {
     /// The port of the `decode_late` cluster: nothing listens there until a test starts a
     /// decode on it (tests/kv_release.rs).
     pub late_decode_port: u16,
+    /// The port of the `decode_outage` cluster, closed until a test starts a decode there.
+    pub outage_decode_port: u16,
     listener_ports: Vec<(String, u16)>,
     pub admin_port: u16,
     pub envoy_log: PathBuf,
@@ -375,17 +394,21 @@ fn start() -> Harness {
             blackhole: blackhole_port(),
             deaf: deaf_port(),
             late: closed_port(),
+            outage: closed_port(),
             trailers: trailers_port(),
             not_http: not_http_port(),
         };
         let envoy = start_envoy(&ports);
         sender
-            .send((mocks, (ports.closed, ports.late), envoy))
+            .send((mocks, (ports.closed, ports.late, ports.outage), envoy))
             .expect("harness receiver");
         runtime.block_on(std::future::pending::<()>());
     });
-    let (mocks, (closed_port, late_decode_port), (listener_ports, admin_port, envoy_log)) =
-        receiver.recv().expect("harness did not start");
+    let (
+        mocks,
+        (closed_port, late_decode_port, outage_decode_port),
+        (listener_ports, admin_port, envoy_log),
+    ) = receiver.recv().expect("harness did not start");
     let [prefill, decode, prefill_b, decode_b] = mocks;
     Harness {
         prefill,
@@ -394,6 +417,7 @@ fn start() -> Harness {
         decode_b,
         closed_port,
         late_decode_port,
+        outage_decode_port,
         listener_ports,
         admin_port,
         envoy_log,
@@ -436,6 +460,7 @@ struct Ports {
     blackhole: u16,
     deaf: u16,
     late: u16,
+    outage: u16,
     trailers: u16,
     not_http: u16,
 }
@@ -817,6 +842,7 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         cluster_yaml("decode_deaf", "127.0.0.1", ports.deaf),
         cluster_yaml("decode_held", "127.0.0.1", ports.decode),
         cluster_yaml("decode_late", "127.0.0.1", ports.late),
+        cluster_yaml("decode_outage", "127.0.0.1", ports.outage),
         trailers_cluster_yaml("decode_trailers", ports.trailers),
         cluster_yaml("prefill_not_http", "127.0.0.1", ports.not_http),
         cluster_yaml("decode_passed", "127.0.0.1", ports.decode),
@@ -929,6 +955,11 @@ fn routes_yaml(route: DecodeRoute) -> String {
         DecodeRoute::Unreachable => {
             r#"              - match: { prefix: "/" }
                 route: { cluster: prefill_unreachable, timeout: 0s }
+"#
+        }
+        DecodeRoute::Outage => {
+            r#"              - match: { prefix: "/" }
+                route: { cluster: decode_outage, timeout: 0s }
 "#
         }
         DecodeRoute::Blackholed => {

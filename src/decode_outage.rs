@@ -1,0 +1,253 @@
+//! Decode that Envoy cannot connect to, per model, as one VM (one Envoy worker) has seen it.
+//! While decode is down every request would still cost a prefill whose KV nobody reads, and
+//! clients that retry at once on a quick 503 multiply that: new requests for the model are
+//! answered 503 before prefill until a probe (one request per `retry` period) reaches
+//! decode again.
+//!
+//! Only failures a client cannot cause count: Envoy could not connect (refused, timed out)
+//! or had no healthy host. And only a run of them with no answer from decode in between,
+//! long enough that one dead host among live ones does not stop a model: at least
+//! [`FAILURES_TO_REFUSE`] requests over at least [`SPAN_TO_REFUSE`].
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::{Duration, SystemTime};
+
+/// Failed requests in a row, at least, before a model's requests are refused.
+pub const FAILURES_TO_REFUSE: u32 = 3;
+/// How long the run of failures lasts, at least, before a model's requests are refused.
+pub const SPAN_TO_REFUSE: Duration = Duration::from_millis(200);
+/// A run of failures with no other failure for this long is over: one failure now and two
+/// an hour ago are no outage.
+const RUN_ENDS_AFTER: Duration = Duration::from_secs(10);
+/// Models followed at once; past this a new model is not followed (its requests all go on).
+/// A model is followed only while Envoy cannot connect to its decode.
+const MOST_MODELS: usize = 256;
+
+/// Answers Envoy gave instead of decode's that say decode could not be reached at all, in
+/// Envoy's `response.code_details`.
+pub fn is_connect_failure(code_details: &str) -> bool {
+    code_details != "via_upstream"
+        && [
+            "connection_failure",
+            "connection_timeout",
+            "no_healthy_upstream",
+        ]
+        .iter()
+        .any(|what| code_details.contains(what))
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    failures: u32,
+    first: SystemTime,
+    last: SystemTime,
+    /// New requests are refused until then; the first one after goes on, as a probe.
+    refusing_until: Option<SystemTime>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct DecodeOutages {
+    runs: Rc<RefCell<HashMap<String, Run>>>,
+    /// How long requests are refused before one goes on to try decode; zero: never refused.
+    retry: Duration,
+}
+
+impl DecodeOutages {
+    pub fn new(retry: Duration) -> DecodeOutages {
+        DecodeOutages {
+            runs: Rc::default(),
+            retry,
+        }
+    }
+
+    pub fn is_on(&self) -> bool {
+        !self.retry.is_zero()
+    }
+
+    /// Whether a request for `model` may go to prefill now; if not, how long until one may.
+    /// Past a refusal period the first request goes on (a probe) and the next period begins.
+    pub fn admit(&self, model: &str, now: SystemTime) -> Result<(), Duration> {
+        if !self.is_on() {
+            return Ok(());
+        }
+        let mut runs = self.runs.borrow_mut();
+        let Some(until) = runs
+            .get_mut(model)
+            .and_then(|run| run.refusing_until.as_mut())
+        else {
+            return Ok(());
+        };
+        match until.duration_since(now) {
+            Ok(wait) if !wait.is_zero() => Err(wait),
+            _ => {
+                *until = now + self.retry;
+                Ok(())
+            }
+        }
+    }
+
+    /// Envoy could not connect to decode for a request for `model`.
+    pub fn connect_failed(&self, model: &str, now: SystemTime) {
+        if !self.is_on() {
+            return;
+        }
+        let mut runs = self.runs.borrow_mut();
+        if !runs.contains_key(model) && runs.len() >= MOST_MODELS {
+            return;
+        }
+        let fresh = Run {
+            failures: 0,
+            first: now,
+            last: now,
+            refusing_until: None,
+        };
+        let run = runs.entry(model.to_owned()).or_insert(fresh);
+        if now.duration_since(run.last).unwrap_or_default() > RUN_ENDS_AFTER {
+            *run = fresh;
+        }
+        run.failures = run.failures.saturating_add(1);
+        run.last = now;
+        let span = now.duration_since(run.first).unwrap_or_default();
+        if run.refusing_until.is_some()
+            || (run.failures >= FAILURES_TO_REFUSE && span >= SPAN_TO_REFUSE)
+        {
+            if run.refusing_until.is_none() {
+                log::warn!(
+                    "decode for model {model:?} could not be reached {} times in a row over \
+                     {} ms: its new requests are answered 503 before prefill, one let through \
+                     every {} ms to see whether decode is back (decode_outage_retry_ms)",
+                    run.failures,
+                    span.as_millis(),
+                    self.retry.as_millis()
+                );
+            }
+            run.refusing_until = Some(now + self.retry);
+        }
+    }
+
+    /// Decode answered a request for `model` (whatever it answered): the run is over.
+    pub fn reached(&self, model: &str) {
+        let mut runs = self.runs.borrow_mut();
+        if runs.is_empty() {
+            return;
+        }
+        if let Some(run) = runs.remove(model) {
+            if run.refusing_until.is_some() {
+                log::warn!("decode for model {model:?} answers again: its requests go on");
+            }
+        }
+    }
+
+    #[cfg(test)]
+    fn followed(&self) -> usize {
+        self.runs.borrow().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RETRY: Duration = Duration::from_millis(1000);
+
+    fn at(ms: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn a_run_of_failures_long_enough_refuses_the_model_until_a_probe() {
+        let outages = DecodeOutages::new(RETRY);
+        outages.connect_failed("m", at(0));
+        outages.connect_failed("m", at(100));
+        outages.connect_failed("m", at(150));
+        assert_eq!(
+            outages.admit("m", at(160)),
+            Ok(()),
+            "three, but within 200 ms"
+        );
+        outages.connect_failed("m", at(250));
+        assert_eq!(outages.admit("m", at(300)), Err(Duration::from_millis(950)));
+        assert_eq!(
+            outages.admit("other", at(300)),
+            Ok(()),
+            "other models go on"
+        );
+        assert_eq!(outages.admit("m", at(1250)), Ok(()), "the probe");
+        assert_eq!(
+            outages.admit("m", at(1260)),
+            Err(Duration::from_millis(990)),
+            "refused while the probe is out"
+        );
+        outages.connect_failed("m", at(1300));
+        assert_eq!(outages.admit("m", at(2250)), Err(Duration::from_millis(50)));
+        outages.reached("m");
+        assert_eq!(outages.admit("m", at(2250)), Ok(()));
+        assert_eq!(outages.admit("m", at(2251)), Ok(()));
+        assert_eq!(outages.followed(), 0);
+    }
+
+    #[test]
+    fn an_answer_from_decode_ends_the_run() {
+        let outages = DecodeOutages::new(RETRY);
+        outages.connect_failed("m", at(0));
+        outages.connect_failed("m", at(300));
+        outages.reached("m");
+        outages.connect_failed("m", at(400));
+        outages.connect_failed("m", at(700));
+        assert_eq!(outages.admit("m", at(800)), Ok(()));
+    }
+
+    #[test]
+    fn failures_far_apart_are_no_run() {
+        let outages = DecodeOutages::new(RETRY);
+        outages.connect_failed("m", at(0));
+        outages.connect_failed("m", at(5_000));
+        outages.connect_failed("m", at(16_000));
+        outages.connect_failed("m", at(16_100));
+        assert_eq!(outages.admit("m", at(16_200)), Ok(()));
+        outages.connect_failed("m", at(16_300));
+        assert!(outages.admit("m", at(16_400)).is_err());
+    }
+
+    #[test]
+    fn off_with_a_zero_retry() {
+        let outages = DecodeOutages::new(Duration::ZERO);
+        for ms in 0..10 {
+            outages.connect_failed("m", at(ms * 100));
+        }
+        assert_eq!(outages.admit("m", at(2_000)), Ok(()));
+        assert_eq!(outages.followed(), 0);
+    }
+
+    #[test]
+    fn the_models_followed_are_bounded() {
+        let outages = DecodeOutages::new(RETRY);
+        for n in 0..(MOST_MODELS + 10) {
+            outages.connect_failed(&format!("m{n}"), at(0));
+        }
+        assert_eq!(outages.followed(), MOST_MODELS);
+    }
+
+    #[test]
+    fn only_connect_failures_count() {
+        for details in [
+            "upstream_reset_before_response_started{connection_failure}",
+            "upstream_reset_before_response_started{connection_timeout}",
+            "no_healthy_upstream",
+        ] {
+            assert!(is_connect_failure(details), "{details}");
+        }
+        for details in [
+            "via_upstream",
+            "upstream_reset_before_response_started{remote_reset}",
+            "upstream_reset_before_response_started{overflow}",
+            "upstream_response_timeout",
+            "cluster_not_found",
+            "route_not_found",
+        ] {
+            assert!(!is_connect_failure(details), "{details}");
+        }
+    }
+}
