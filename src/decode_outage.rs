@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 /// Failed requests in a row, at least, before a model's requests are refused.
 pub const FAILURES_TO_REFUSE: u32 = 3;
 /// How long the run of failures lasts, at least, before a model's requests are refused.
-pub const SPAN_TO_REFUSE: Duration = Duration::from_millis(200);
+pub const SPAN_TO_REFUSE: Duration = Duration::from_millis(100);
 /// A run of failures with no other failure for this long is over: one failure now and two
 /// an hour ago are no outage.
 const RUN_ENDS_AFTER: Duration = Duration::from_secs(10);
@@ -160,12 +160,12 @@ mod tests {
     fn a_run_of_failures_long_enough_refuses_the_model_until_a_probe() {
         let outages = DecodeOutages::new(RETRY);
         outages.connect_failed("m", at(0));
-        outages.connect_failed("m", at(100));
-        outages.connect_failed("m", at(150));
+        outages.connect_failed("m", at(40));
+        outages.connect_failed("m", at(80));
         assert_eq!(
-            outages.admit("m", at(160)),
+            outages.admit("m", at(90)),
             Ok(()),
-            "three, but within 200 ms"
+            "three, but within 100 ms"
         );
         outages.connect_failed("m", at(250));
         assert_eq!(outages.admit("m", at(300)), Err(Duration::from_millis(950)));
@@ -205,7 +205,7 @@ mod tests {
         outages.connect_failed("m", at(0));
         outages.connect_failed("m", at(5_000));
         outages.connect_failed("m", at(16_000));
-        outages.connect_failed("m", at(16_100));
+        outages.connect_failed("m", at(16_050));
         assert_eq!(outages.admit("m", at(16_200)), Ok(()));
         outages.connect_failed("m", at(16_300));
         assert!(outages.admit("m", at(16_400)).is_err());

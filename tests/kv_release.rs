@@ -540,7 +540,7 @@ async fn while_decode_cannot_be_reached_requests_are_refused_before_prefill() {
     let refused = r#"pd_filter_requests{api="completions",outcome="decode_unreachable"}"#;
     let refused_before = h.counter(refused);
     for listener in ["decode_outage", "decode_outage_passed"] {
-        // Each Envoy worker learns on its own: at least three failures over 200 ms.
+        // Each Envoy worker learns on its own: at least three failures over 100 ms.
         let first = requests_in_a_row(listener, 12, Duration::from_millis(60)).await;
         assert!(first.iter().all(|(status, _)| *status == 503), "{first:?}");
         let prefilled = first.iter().filter(|(_, prefilled)| *prefilled).count();
