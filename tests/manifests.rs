@@ -617,6 +617,21 @@ fn istio_names_agree_across_the_manifests() {
 // (d) The Kubernetes manifests and the compose stack.
 
 #[test]
+fn istio_ejects_workers_on_gateway_errors_only() {
+    // Istio counts any 5xx unless consecutive5xxErrors is 0: a client whose requests make
+    // vLLM answer 500 could eject workers for everyone.
+    for rule in objects_of_kind("DestinationRule") {
+        let outlier = &rule["spec"]["trafficPolicy"]["outlierDetection"];
+        if outlier.is_object() {
+            assert_eq!(outlier["consecutive5xxErrors"], 0, "{rule}");
+            assert!(outlier["consecutiveGatewayErrors"]
+                .as_u64()
+                .is_some_and(|n| n > 0));
+        }
+    }
+}
+
+#[test]
 fn kubernetes_manifests_are_well_formed() {
     let objects = istio_objects();
     for (file, object) in &objects {
@@ -1435,6 +1450,22 @@ fn hardening_errors(config: &Value) -> Vec<String> {
             ));
         }
     }
+    // Outlier detection on any 5xx lets a client whose requests make vLLM answer 500 eject
+    // workers for everyone: gateway failures (connections, 502/503/504) only.
+    for cluster in &clusters {
+        let outlier = &cluster["outlier_detection"];
+        let enforced = |key: &str, default: u64| {
+            outlier
+                .get(key)
+                .map_or(default, |value| value.as_u64().unwrap_or(100))
+        };
+        if outlier.is_object() && enforced("enforcing_consecutive_5xx", 100) != 0 {
+            errors.push(format!(
+                "cluster {}: outlier detection ejects on consecutive_5xx, which clients can cause",
+                cluster["name"]
+            ));
+        }
+    }
     let managers = http_connection_managers(config);
     if managers.is_empty() {
         errors.push("no HTTP connection manager".to_owned());
@@ -2117,6 +2148,10 @@ fn weakened_envoy_configs_are_caught() {
                     .remove("typed_extension_protocol_options");
             },
         ),
+        ("workers ejected on any 5xx", "consecutive_5xx", |c| {
+            c["static_resources"]["clusters"][1]["outlier_detection"] =
+                json!({ "consecutive_5xx": 5 });
+        }),
         ("no guard after the filter", "no pd-filter-guard", |c| {
             let filters = first_hcm(c)["http_filters"].as_array_mut().unwrap();
             filters.retain(|f| f["name"] != "pd-filter-guard");
