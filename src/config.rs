@@ -662,6 +662,23 @@ impl Config {
                 vllms.join(", ")
             ));
         }
+        if self.release_kv_on_abandon {
+            let prefill_clusters: Vec<&str> = std::iter::once(self.prefill_cluster.as_str())
+                .chain(self.model_prefill_clusters.values().map(String::as_str))
+                .collect();
+            let decode_clusters =
+                std::iter::once(&self.decode_cluster).chain(self.model_decode_clusters.values());
+            for cluster in decode_clusters {
+                if prefill_clusters.contains(&cluster.as_str()) {
+                    warnings.push(format!(
+                        "KV releases go to {cluster:?}, which is also a prefill cluster: a \
+                         release only frees prefill's KV when decode reads it; name the decode \
+                         cluster in decode_cluster (model_decode_clusters)"
+                    ));
+                    break;
+                }
+            }
+        }
         warnings
     }
 
@@ -836,6 +853,25 @@ fn check_plain_path(key: &str, path: &str) -> Result<(), ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn releases_sent_to_a_prefill_cluster_are_warned_of() {
+        let warned = |json: &str| {
+            Config::from_json(json.as_bytes())
+                .unwrap()
+                .warnings()
+                .iter()
+                .any(|warning| warning.contains("also a prefill cluster"))
+        };
+        assert!(!warned("{}"));
+        assert!(warned(r#"{"decode_cluster":"prefill"}"#));
+        assert!(warned(
+            r#"{"model_prefill_clusters":{"a":"pa"},"model_decode_clusters":{"a":"pa"}}"#
+        ));
+        assert!(!warned(
+            r#"{"decode_cluster":"prefill","release_kv_on_abandon":false}"#
+        ));
+    }
 
     #[test]
     fn a_paths_list_without_vllms_own_paths_is_warned_about() {
