@@ -233,8 +233,16 @@ fn envoy_503_kind(message: &str) -> FailureKind {
 }
 
 fn find_kv_transfer_params(body: &[u8]) -> Result<PrefillKv<'_>, String> {
-    let object =
-        JsonObject::parse(body).map_err(|e| format!("prefill answer is not a JSON object: {e}"))?;
+    let object = JsonObject::parse(body).map_err(|e| {
+        // A compressed answer (a proxy before prefill that ignores `accept-encoding:
+        // identity`) reads as bytes that are not JSON: say so, since its KV is then stranded
+        // on prefill until vLLM's own timeout (no release can name it).
+        if body.starts_with(&[0x1f, 0x8b]) {
+            format!("prefill answer is not a JSON object: it is gzip-compressed, though the call asked for accept-encoding: identity ({e})")
+        } else {
+            format!("prefill answer is not a JSON object: {e}")
+        }
+    })?;
     let kv = match object.last_value(KV_TRANSFER_PARAMS) {
         None => return Err("prefill answer has no kv_transfer_params".to_owned()),
         Some(b"null") => return Err("prefill answer has kv_transfer_params null".to_owned()),
@@ -349,6 +357,18 @@ mod tests {
                 usage: Some(br#"{"prompt_tokens":3}"#),
             })
         );
+    }
+
+    #[test]
+    fn a_gzip_compressed_prefill_answer_says_so() {
+        let body = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03";
+        match read_prefill_answer(Some(200), body) {
+            PrefillAnswer::NoKvTransferParams(message) => {
+                assert!(message.contains("not a JSON object"), "{message}");
+                assert!(message.contains("gzip-compressed"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
