@@ -120,7 +120,7 @@ impl Default for RawConfig {
             max_kv_releases_in_flight: 64,
             kv_release_timeout_ms: 30_000,
             max_abandoned_prefills_per_client: 32,
-            decode_outage_retry_ms: 1_000,
+            decode_outage_retry_ms: 250,
             max_log_lines_per_second: crate::log_budget::LINES_PER_SECOND,
         }
     }

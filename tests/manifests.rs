@@ -2320,12 +2320,22 @@ fn envoy_filter(name: &str) -> Value {
         .unwrap_or_else(|| panic!("deploy/istio: no EnvoyFilter {name}"))
 }
 
-/// deploy/istio/guard.yaml puts envoy/envoy.yaml's guard on the plugin's gateway, before the
-/// router and so after the WasmPlugin, which Istio places before its stats filter.
+/// deploy/istio/routing.yaml puts envoy/envoy.yaml's guard on the plugin's gateway, before the
+/// router and so after the WasmPlugin, which Istio places before its stats filter; and
+/// before its own Gateway, so that the listener that opens is never without it.
 #[test]
 fn istio_guard_refuses_what_the_plugin_did_not_see() {
     let plugin = wasm_plugin();
     let patch = envoy_filter("pd-filter-guard");
+    let routing: Vec<String> = yaml_file("deploy/istio/routing.yaml")
+        .iter()
+        .map(|object| format!("{}/{}", object["kind"], object["metadata"]["name"]))
+        .collect();
+    assert_eq!(
+        routing.first().map(String::as_str),
+        Some("\"EnvoyFilter\"/\"pd-filter-guard\""),
+        "the guard comes first in routing.yaml, before the Gateway: {routing:?}"
+    );
     assert_eq!(patch["apiVersion"], "networking.istio.io/v1alpha3");
     assert_eq!(
         patch["metadata"]["namespace"],

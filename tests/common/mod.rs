@@ -194,12 +194,12 @@ pub const LISTENERS: &[Listener] = &[
         allow_on_headers_stop_iteration: true,
         ..plain(
             "decode_outage",
-            r#"{"decode_cluster":"decode_outage","hold_request_headers":true}"#,
+            r#"{"decode_cluster":"decode_outage","hold_request_headers":true,"decode_outage_retry_ms":1000}"#,
         )
     },
     Listener {
         decode_route: DecodeRoute::Unreachable,
-        ..plain("decode_outage_passed", "")
+        ..plain("decode_outage_passed", r#"{"decode_outage_retry_ms":1000}"#)
     },
     Listener {
         decode_route: DecodeRoute::Unreachable,
