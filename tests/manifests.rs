@@ -1834,6 +1834,23 @@ fn hardening_errors(config: &Value) -> Vec<String> {
                     Some(cluster) if cluster["type"] == "ORIGINAL_DST" => error(format!(
                         "route to the ORIGINAL_DST cluster {target}: a request header names any address"
                     )),
+                    Some(cluster) if route["route"]["retry_policy"].is_object() => {
+                        // Envoy lets 3 retries run at once by default: under load, a retry
+                        // from a dead host to a live one is turned away (retry_overflow).
+                        let max_retries = cluster["circuit_breakers"]["thresholds"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .filter_map(|threshold| threshold["max_retries"].as_u64())
+                            .max()
+                            .unwrap_or(3);
+                        if max_retries < 1024 {
+                            error(format!(
+                                "route to {target} retries, but the cluster lets {max_retries} \
+                                 retries run at once (circuit_breakers max_retries)"
+                            ));
+                        }
+                    }
                     Some(_) => {}
                     None => error(format!("route to a missing cluster {target}")),
                 }
@@ -2151,6 +2168,13 @@ fn weakened_envoy_configs_are_caught() {
         ("workers ejected on any 5xx", "consecutive_5xx", |c| {
             c["static_resources"]["clusters"][1]["outlier_detection"] =
                 json!({ "consecutive_5xx": 5 });
+        }),
+        ("retries turned away under load", "max_retries", |c| {
+            let routes = first_hcm(c)["route_config"]["virtual_hosts"][0]["routes"]
+                .as_array_mut()
+                .unwrap();
+            routes.last_mut().unwrap()["route"]["retry_policy"] =
+                json!({ "retry_on": "connect-failure", "num_retries": 2 });
         }),
         ("no guard after the filter", "no pd-filter-guard", |c| {
             let filters = first_hcm(c)["http_filters"].as_array_mut().unwrap();
