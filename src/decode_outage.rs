@@ -82,7 +82,7 @@ impl DecodeOutages {
         match until.duration_since(now) {
             Ok(wait) if !wait.is_zero() => Err(wait),
             _ => {
-                *until = now + self.retry;
+                *until = self.end_of_period(now);
                 Ok(())
             }
         }
@@ -123,8 +123,12 @@ impl DecodeOutages {
                     self.retry.as_millis()
                 );
             }
-            run.refusing_until = Some(now + self.retry);
+            run.refusing_until = Some(self.end_of_period(now));
         }
+    }
+
+    fn end_of_period(&self, now: SystemTime) -> SystemTime {
+        now.checked_add(self.retry).unwrap_or(now)
     }
 
     /// Decode answered a request for `model` (whatever it answered): the run is over.
