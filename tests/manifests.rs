@@ -828,6 +828,73 @@ fn network_policy_lets_only_the_gateway_reach_the_workers_api() {
 }
 
 /// `ADDR:PORT` → PORT.
+/// The workers' sidecars enforce the NetworkPolicy's rule for the API port themselves:
+/// only the gateway's identity reaches it, even where the CNI ignores NetworkPolicy.
+#[test]
+fn worker_sidecars_admit_only_the_gateway_to_the_api() {
+    let gateway_account = "/sa/vllm-gateway";
+    let policies: Vec<Value> = objects_of_kind("AuthorizationPolicy")
+        .into_iter()
+        .filter(|policy| policy["spec"]["action"] == "ALLOW")
+        .collect();
+    for deployment in objects_of_kind("Deployment") {
+        let name = &deployment["metadata"]["name"];
+        let pod_labels = &deployment["spec"]["template"]["metadata"]["labels"];
+        let policy = policies
+            .iter()
+            .find(|policy| {
+                policy["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+                    && selects(&policy["spec"]["selector"], pod_labels)
+            })
+            .unwrap_or_else(|| panic!("no ALLOW AuthorizationPolicy selects {name}"));
+        for rule in policy["spec"]["rules"].as_array().expect("rules") {
+            let operations: Vec<&Value> = rule["to"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|to| &to["operation"])
+                .collect();
+            let reaches_api = operations.is_empty()
+                || operations.iter().any(|operation| {
+                    let listed = |key: &str| {
+                        operation[key]
+                            .as_array()
+                            .is_some_and(|ports| ports.contains(&Value::from("8000")))
+                    };
+                    if operation["ports"].is_array() {
+                        listed("ports")
+                    } else {
+                        !listed("notPorts")
+                    }
+                });
+            if !reaches_api {
+                continue;
+            }
+            let sources: Vec<&Value> = rule["from"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|from| &from["source"])
+                .collect();
+            assert!(
+                !sources.is_empty(),
+                "{name}: the API open to anyone: {rule}"
+            );
+            for source in sources {
+                let principals = source["principals"].as_array().expect("principals only");
+                assert!(
+                    principals.iter().all(|principal| principal
+                        .as_str()
+                        .is_some_and(|p| p.ends_with(gateway_account))),
+                    "{name}: the API open to more than the gateway: {rule}"
+                );
+                let keys = source.as_object().map(|o| o.len()).unwrap_or(0);
+                assert_eq!(keys, 1, "{name}: a source beside the principals: {source}");
+            }
+        }
+    }
+}
+
 fn port_of(address: &str) -> u64 {
     address
         .rsplit_once(':')
