@@ -6,6 +6,7 @@
 //! times, later.
 
 use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
 use crate::held_bytes::{HeldBytes, Reservation};
@@ -24,6 +25,8 @@ pub enum Caller<R> {
     /// A release: the request it is for, and what it takes to send it again.
     Release {
         request_id: String,
+        /// The decode cluster it went to.
+        cluster: Rc<str>,
         retry: Option<Retry>,
     },
 }
@@ -303,8 +306,15 @@ impl<R> Callouts<R> {
     pub fn release_went_out(&mut self, token: u32, call: &HttpCall, attempt: Attempt) {
         let request_id = call.request_id().to_owned();
         let retry = self.retry_for(call, attempt).ok();
-        self.calls
-            .insert(token, Caller::Release { request_id, retry });
+        let cluster = call.cluster.clone();
+        self.calls.insert(
+            token,
+            Caller::Release {
+                request_id,
+                cluster,
+                retry,
+            },
+        );
     }
 
     /// The release whose slot was taken could not go out at `attempt` (Envoy refused it at

@@ -1,8 +1,12 @@
-//! Decode that Envoy cannot connect to, per model, as one VM (one Envoy worker) has seen it.
-//! While decode is down every request would still cost a prefill whose KV nobody reads, and
-//! clients that retry at once on a quick 503 multiply that: new requests for the model are
-//! answered 503 before prefill until a probe (one request per `retry` period) reaches
-//! decode again.
+//! Decode that Envoy cannot connect to, per decode pool, as one VM (one Envoy worker) has
+//! seen it. While decode is down every request would still cost a prefill whose KV nobody
+//! reads, and clients that retry at once on a quick 503 multiply that: new requests for the
+//! pool are answered 503 before prefill until decode answers again, to a probe (one request
+//! per `retry` period) or to a KV release.
+//!
+//! A pool is named as the operator named it for a request's model: the decode cluster its
+//! KV releases go to (`decode_cluster`, `model_decode_clusters`), never a name a client
+//! chooses, so that no client can fill the table or keep another's pool apart.
 //!
 //! Only failures a client cannot cause count: Envoy could not connect (refused, timed out)
 //! or had no healthy host. And only a run of them with no answer from decode in between,
@@ -21,8 +25,8 @@ pub const SPAN_TO_REFUSE: Duration = Duration::from_millis(100);
 /// A run of failures with no other failure for this long is over: one failure now and two
 /// an hour ago are no outage.
 const RUN_ENDS_AFTER: Duration = Duration::from_secs(10);
-/// Models followed at once; past this a new model is not followed (its requests all go on).
-/// A model is followed only while Envoy cannot connect to its decode.
+/// Pools followed at once (there are as many as the configuration names); past this a new
+/// one is not followed.
 const MOST_MODELS: usize = 256;
 
 /// Answers Envoy gave instead of decode's that say decode could not be reached at all, in
@@ -115,7 +119,7 @@ impl DecodeOutages {
         {
             if run.refusing_until.is_none() {
                 log::warn!(
-                    "decode for model {model:?} could not be reached {} times in a row over \
+                    "decode pool {model:?} could not be reached {} times in a row over \
                      {} ms: its new requests are answered 503 before prefill, one let through \
                      every {} ms to see whether decode is back (decode_outage_retry_ms)",
                     run.failures,
@@ -139,7 +143,7 @@ impl DecodeOutages {
         }
         if let Some(run) = runs.remove(model) {
             if run.refusing_until.is_some() {
-                log::warn!("decode for model {model:?} answers again: its requests go on");
+                log::warn!("decode pool {model:?} answers again: its requests go on");
             }
         }
     }

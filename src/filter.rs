@@ -59,7 +59,6 @@ proxy_wasm::main! {{
             config: None,
             held: HeldBytes::new(0),
             abandoned: AbandonedPrefills::default(),
-            decode_outages: DecodeOutages::default(),
             worker: Rc::new(Worker::new(root_id)),
         })
     });
@@ -71,7 +70,6 @@ struct PdRoot {
     held: HeldBytes,
     /// This VM's prefill calls still running after their clients left, by client.
     abandoned: AbandonedPrefills,
-    decode_outages: DecodeOutages,
     worker: Rc<Worker>,
 }
 
@@ -107,6 +105,8 @@ struct Worker {
     ticking: Cell<bool>,
     callouts: RefCell<Callouts<Rc<Request>>>,
     held_headers: RefCell<HeldHeadersCheck>,
+    /// The decode pools Envoy cannot connect to, shared with this worker's requests.
+    decode_outages: RefCell<DecodeOutages>,
     /// Envoy is done with the plugin (a new configuration, a drained listener) and the
     /// root lives on until its calls have finished.
     finishing: Cell<bool>,
@@ -203,6 +203,7 @@ impl Worker {
             ticking: Cell::new(false),
             callouts: RefCell::new(Callouts::default()),
             held_headers: RefCell::new(HeldHeadersCheck::default()),
+            decode_outages: RefCell::new(DecodeOutages::default()),
             finishing: Cell::new(false),
         }
     }
@@ -541,8 +542,17 @@ impl Worker {
                 );
                 self.act_on(&request, commands, context, &clock);
             }
-            Some(Caller::Release { request_id, retry }) => {
+            Some(Caller::Release {
+                request_id,
+                cluster,
+                retry,
+            }) => {
                 log::debug!("[{request_id}] KV release answered {status:?}");
+                // Decode's own answer (Envoy's for a call that failed is a 5xx, or none): its
+                // pool can be reached again, whatever the probes were.
+                if status.is_some_and(|status| status < 500) {
+                    self.decode_outages.borrow().reached(&cluster);
+                }
                 if release_succeeded(status) {
                     self.record(Metric::KvReleased);
                 } else if let (true, Some(retry)) = (decode_unreached(status), retry) {
@@ -815,7 +825,8 @@ impl RootContext for PdRoot {
                     .borrow_mut()
                     .set_release_bound(config.max_kv_releases_in_flight, self.held.clone());
                 self.abandoned = AbandonedPrefills::new(config.max_abandoned_prefills_per_client);
-                self.decode_outages = DecodeOutages::new(config.decode_outage_retry);
+                *self.worker.decode_outages.borrow_mut() =
+                    DecodeOutages::new(config.decode_outage_retry);
                 self.config = Some(Rc::new(config));
                 true
             }
@@ -856,7 +867,7 @@ impl RootContext for PdRoot {
                 session: RefCell::new(
                     Session::new(config, self.held.clone())
                         .with_abandoned_prefills(self.abandoned.clone())
-                        .with_decode_outages(self.decode_outages.clone()),
+                        .with_decode_outages(self.worker.decode_outages.borrow().clone()),
                 ),
                 alive: Cell::new(true),
                 in_request_callback: Cell::new(false),

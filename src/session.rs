@@ -221,8 +221,9 @@ pub struct Session {
     _abandoned_mark: Option<AbandonedMark>,
     /// This VM's models whose decode Envoy cannot connect to.
     decode_outages: DecodeOutages,
-    /// The model this request went to prefill for, while decode outages are followed.
-    decode_model: Option<String>,
+    /// The decode cluster of this request's model ([`Config::decode_cluster_for`]), while
+    /// decode outages are followed.
+    decode_outage_key: Option<String>,
     upload: Upload,
     /// The request's headers were held for a body still to come.
     headers_held_for_body: bool,
@@ -306,7 +307,7 @@ impl Session {
             client: None,
             _abandoned_mark: None,
             decode_outages: DecodeOutages::default(),
-            decode_model: None,
+            decode_outage_key: None,
             upload: Upload::Ended,
             headers_held_for_body: false,
             prompt_mismatch_noted: false,
@@ -361,11 +362,13 @@ impl Session {
     /// Envoy cannot connect to decode for this request's model: a 503 before prefill.
     fn refuse_decode_unreachable(&mut self, wait: Duration) -> Vec<Command> {
         log::debug!(
-            "[{}] refused with 503: decode for its model could not be reached",
-            self.request_id
+            "[{}] refused with 503: decode for its model could not be reached (next probe in \
+             {} ms)",
+            self.request_id,
+            wait.as_millis()
         );
         let mut commands = self.outcome(Outcome::DecodeUnreachable);
-        commands.push(self.reply(&ClientError::decode_unreachable(wait)));
+        commands.push(self.reply(&ClientError::decode_unreachable()));
         commands
     }
 

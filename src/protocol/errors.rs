@@ -1,7 +1,5 @@
 //! Errors the client is answered with, in the shape of the API it called.
 
-use std::time::Duration;
-
 use crate::api::Api;
 
 /// An error answered to the client: `{"error":{"message","type","param","code"}}`, or
@@ -92,16 +90,13 @@ impl ClientError {
     }
 
     /// Envoy could not connect to decode for the model's recent requests: none goes to
-    /// prefill until one gets through, which may be in `wait`.
-    pub fn decode_unreachable(wait: Duration) -> ClientError {
-        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-        ClientError {
-            retry_after_seconds: Some(u32::try_from(seconds.max(1)).unwrap_or(u32::MAX)),
-            ..ClientError::new(
-                503,
-                "the decode servers for this model cannot be reached; retry shortly",
-            )
-        }
+    /// prefill until decode answers again. A 503's `retry-after` of a second: decode may
+    /// answer a KV release or a probe any time.
+    pub fn decode_unreachable() -> ClientError {
+        ClientError::new(
+            503,
+            "the decode servers for this model cannot be reached; retry shortly",
+        )
     }
 
     /// Prefill's prompt logprobs (`size` bytes) would make decode's answer larger than the

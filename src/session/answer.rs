@@ -84,7 +84,7 @@ impl Session {
     /// Whether the response concerns the session at all: only a request sent on to decode
     /// by the filter. Every other answer goes by without its headers being read.
     pub fn watches_response(&self) -> bool {
-        matches!(self.state, State::Decoding { .. }) || self.decode_model.is_some()
+        matches!(self.state, State::Decoding { .. }) || self.decode_outage_key.is_some()
     }
 
     /// Whether [`Session::on_response_headers`] needs Envoy's `response.code_details` for an
@@ -99,7 +99,7 @@ impl Session {
                 ..
             }
         );
-        (unread || self.decode_model.is_some()) && status.is_none_or(|status| status >= 400)
+        (unread || self.decode_outage_key.is_some()) && status.is_none_or(|status| status >= 400)
     }
 
     /// The response to the client begins. Its headers wait only for a JSON answer whose
@@ -210,17 +210,17 @@ impl Session {
         if !to_decode {
             return;
         }
-        let Some(model) = self.decode_model.take() else {
+        let Some(key) = self.decode_outage_key.take() else {
             return;
         };
         match (head.code_details, head.envoys_own_at) {
             (Some(details), Some(now)) if is_connect_failure(details) => {
-                self.decode_outages.connect_failed(&model, now);
+                self.decode_outages.connect_failed(&key, now);
             }
             // Another answer of Envoy's own (a timeout, a full pool) says nothing of whether
             // decode can be reached; an answer under 400 is decode's.
             (Some(details), _) if details != "via_upstream" => {}
-            _ => self.decode_outages.reached(&model),
+            _ => self.decode_outages.reached(&key),
         }
     }
 

@@ -202,16 +202,13 @@ impl Session {
             }
         }
         if self.decode_outages.is_on() {
-            // A name longer than any model's is followed as no model.
-            let model = prepared
-                .model
-                .as_deref()
-                .filter(|model| model.len() <= MAX_KEPT_MODEL_LEN)
-                .unwrap_or_default();
-            if let Err(wait) = self.decode_outages.admit(model, now) {
+            // Followed by the decode cluster the operator named for the model (its KV
+            // releases'), never by a name a client makes up.
+            let key = config.decode_cluster_for(prepared.model.as_deref());
+            if let Err(wait) = self.decode_outages.admit(key, now) {
                 return Step::new(Flow::Pause, self.refuse_decode_unreachable(wait));
             }
-            self.decode_model = Some(model.to_owned());
+            self.decode_outage_key = Some(key.to_owned());
         }
         commands.push(Command::Record(Metric::Orchestrated(pending.api)));
         let cluster = match &config.prefill_host_cluster {

@@ -2711,7 +2711,8 @@ fn an_echo_with_logprobs_beyond_one_token_gets_prefills_prompt_before_decodes_an
 
 /// A chat request for `model` sent at `now_ms`, sharing `outages` with the VM's others.
 fn chat_for(outages: &DecodeOutages, model: &str, now_ms: u64) -> (Session, Vec<Command>) {
-    let mut s = session("").with_decode_outages(outages.clone());
+    let config = r#"{"model_decode_clusters":{"other":"decode-other"}}"#;
+    let mut s = session(config).with_decode_outages(outages.clone());
     let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
     s.on_request_headers(&post("/v1/chat/completions"), false);
     s.on_request_body(body.len(), true);
@@ -2762,8 +2763,9 @@ fn while_envoy_cannot_connect_to_decode_requests_are_refused_before_prefill() {
             Outcome::DecodeUnreachable
         )]
     );
-    // Another model's decode may be up.
+    // Another decode pool may be up; a model no pool is named for is the default pool's.
     dispatched(&chat_for(&outages, "other", 400).1);
+    assert_eq!(reply(&chat_for(&outages, "made-up", 400).1).0, 503);
 
     // A second later one request goes on to see whether decode is back; the rest wait for it.
     let (mut probe, commands) = chat_for(&outages, "m", 1_310);

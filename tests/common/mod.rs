@@ -188,18 +188,22 @@ pub const LISTENERS: &[Listener] = &[
     // where a test starts a decode later). Headers held as shipped, so that the router's
     // failed connection to decode never comes before prefill has the request.
     // Decode is down until a test starts it (tests/kv_release.rs): headers held as shipped,
-    // and passed at once as under Istio (decode never up there).
+    // with no probe for a minute, so that only a KV release that decode answers ends the
+    // refusals; and passed at once as under Istio.
     Listener {
         decode_route: DecodeRoute::Outage,
         allow_on_headers_stop_iteration: true,
         ..plain(
             "decode_outage",
-            r#"{"decode_cluster":"decode_outage","hold_request_headers":true,"decode_outage_retry_ms":1000}"#,
+            r#"{"decode_cluster":"decode_outage","hold_request_headers":true,"decode_outage_retry_ms":60000}"#,
         )
     },
     Listener {
-        decode_route: DecodeRoute::Unreachable,
-        ..plain("decode_outage_passed", r#"{"decode_outage_retry_ms":1000}"#)
+        decode_route: DecodeRoute::Outage,
+        ..plain(
+            "decode_outage_passed",
+            r#"{"decode_outage_retry_ms":1000,"decode_cluster":"decode_outage"}"#,
+        )
     },
     Listener {
         decode_route: DecodeRoute::Unreachable,
