@@ -10,7 +10,7 @@
 //!
 //! Only failures a client cannot cause count: Envoy could not connect (refused, timed out)
 //! or had no healthy host. And only a run of them with no answer from decode in between,
-//! long enough that one dead host among live ones does not stop a model: at least
+//! long enough that one dead host among live ones does not stop a pool: at least
 //! [`FAILURES_TO_REFUSE`] requests over at least [`SPAN_TO_REFUSE`].
 
 use std::cell::RefCell;
@@ -18,16 +18,16 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
-/// Failed requests in a row, at least, before a model's requests are refused.
+/// Failed requests in a row, at least, before a pool's requests are refused.
 pub const FAILURES_TO_REFUSE: u32 = 3;
-/// How long the run of failures lasts, at least, before a model's requests are refused.
+/// How long the run of failures lasts, at least, before a pool's requests are refused.
 pub const SPAN_TO_REFUSE: Duration = Duration::from_millis(100);
 /// A run of failures with no other failure for this long is over: one failure now and two
 /// an hour ago are no outage.
 const RUN_ENDS_AFTER: Duration = Duration::from_secs(10);
 /// Pools followed at once (there are as many as the configuration names); past this a new
 /// one is not followed.
-const MOST_MODELS: usize = 256;
+const MOST_POOLS: usize = 256;
 
 /// Answers Envoy gave instead of decode's that say decode could not be reached at all, in
 /// Envoy's `response.code_details`.
@@ -70,9 +70,9 @@ impl DecodeOutages {
         !self.retry.is_zero()
     }
 
-    /// Whether a request for `model` may go to prefill now; if not, how long until one may.
+    /// Whether a request for `pool` may go to prefill now; if not, how long until one may.
     /// Past a refusal period the first request goes on (a probe) and the next period begins.
-    pub fn admit(&self, model: &str, now: SystemTime) -> Result<(), Duration> {
+    pub fn admit(&self, pool: &str, now: SystemTime) -> Result<(), Duration> {
         if !self.is_on() {
             return Ok(());
         }
@@ -82,7 +82,7 @@ impl DecodeOutages {
             return Ok(());
         }
         let Some(until) = runs
-            .get_mut(model)
+            .get_mut(pool)
             .and_then(|run| run.refusing_until.as_mut())
         else {
             return Ok(());
@@ -96,13 +96,13 @@ impl DecodeOutages {
         }
     }
 
-    /// Envoy could not connect to decode for a request for `model`.
-    pub fn connect_failed(&self, model: &str, now: SystemTime) {
+    /// Envoy could not connect to decode for a request for `pool`.
+    pub fn connect_failed(&self, pool: &str, now: SystemTime) {
         if !self.is_on() {
             return;
         }
         let mut runs = self.runs.borrow_mut();
-        if !runs.contains_key(model) && runs.len() >= MOST_MODELS {
+        if !runs.contains_key(pool) && runs.len() >= MOST_POOLS {
             return;
         }
         let fresh = Run {
@@ -111,7 +111,7 @@ impl DecodeOutages {
             last: now,
             refusing_until: None,
         };
-        let run = runs.entry(model.to_owned()).or_insert(fresh);
+        let run = runs.entry(pool.to_owned()).or_insert(fresh);
         if now.duration_since(run.last).unwrap_or_default() > RUN_ENDS_AFTER {
             *run = fresh;
         }
@@ -123,7 +123,7 @@ impl DecodeOutages {
         {
             if run.refusing_until.is_none() {
                 log::warn!(
-                    "decode pool {model:?} could not be reached {} times in a row over \
+                    "decode pool {pool:?} could not be reached {} times in a row over \
                      {} ms: its new requests are answered 503 before prefill, one let through \
                      every {} ms to see whether decode is back (decode_outage_retry_ms)",
                     run.failures,
@@ -139,15 +139,15 @@ impl DecodeOutages {
         now.checked_add(self.retry).unwrap_or(now)
     }
 
-    /// Decode answered a request for `model` (whatever it answered): the run is over.
-    pub fn reached(&self, model: &str) {
+    /// Decode answered a request for `pool` (whatever it answered): the run is over.
+    pub fn reached(&self, pool: &str) {
         let mut runs = self.runs.borrow_mut();
         if runs.is_empty() {
             return;
         }
-        if let Some(run) = runs.remove(model) {
+        if let Some(run) = runs.remove(pool) {
             if run.refusing_until.is_some() {
-                log::warn!("decode pool {model:?} answers again: its requests go on");
+                log::warn!("decode pool {pool:?} answers again: its requests go on");
             }
         }
     }
@@ -169,7 +169,7 @@ mod tests {
     }
 
     #[test]
-    fn a_run_of_failures_long_enough_refuses_the_model_until_a_probe() {
+    fn a_run_of_failures_long_enough_refuses_the_pool_until_a_probe() {
         let outages = DecodeOutages::new(RETRY);
         outages.connect_failed("m", at(0));
         outages.connect_failed("m", at(40));
@@ -181,11 +181,7 @@ mod tests {
         );
         outages.connect_failed("m", at(250));
         assert_eq!(outages.admit("m", at(300)), Err(Duration::from_millis(950)));
-        assert_eq!(
-            outages.admit("other", at(300)),
-            Ok(()),
-            "other models go on"
-        );
+        assert_eq!(outages.admit("other", at(300)), Ok(()), "other pools go on");
         assert_eq!(outages.admit("m", at(1250)), Ok(()), "the probe");
         assert_eq!(
             outages.admit("m", at(1260)),
@@ -234,12 +230,12 @@ mod tests {
     }
 
     #[test]
-    fn the_models_followed_are_bounded() {
+    fn the_pools_followed_are_bounded() {
         let outages = DecodeOutages::new(RETRY);
-        for n in 0..(MOST_MODELS + 10) {
+        for n in 0..(MOST_POOLS + 10) {
             outages.connect_failed(&format!("m{n}"), at(0));
         }
-        assert_eq!(outages.followed(), MOST_MODELS);
+        assert_eq!(outages.followed(), MOST_POOLS);
     }
 
     #[test]

@@ -491,7 +491,10 @@ impl Worker {
                 NotKept::TooMany => "too many releases wait to be sent again",
                 NotKept::PastLease => "the next attempt would come after vLLM 0.33's 30 s lease",
             };
-            log::warn!("[{request_id}] KV release dropped: decode could not take it (unreachable, or its pool full), and {why}");
+            log::warn!(
+                "[{request_id}] KV release dropped: decode could not take it (unreachable, or \
+                 its pool full), and {why}"
+            );
             self.record(Metric::KvReleaseDropped);
             return;
         }

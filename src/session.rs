@@ -219,7 +219,7 @@ pub struct Session {
     /// This request's place in `abandoned` once its client has left during prefill: given
     /// back when the session goes, after prefill's answer.
     _abandoned_mark: Option<AbandonedMark>,
-    /// This VM's models whose decode Envoy cannot connect to.
+    /// This VM's decode pools that Envoy cannot connect to.
     decode_outages: DecodeOutages,
     /// The decode cluster of this request's model ([`Config::decode_cluster_for`]), while
     /// decode outages are followed.
@@ -352,17 +352,17 @@ impl Session {
         self
     }
 
-    /// Follows, with the rest of this VM's requests, which models' decode Envoy cannot
-    /// connect to, and refuses requests for them before prefill.
+    /// Follows, with the rest of this VM's requests, which decode pools Envoy cannot connect
+    /// to, and refuses requests for them before prefill.
     pub fn with_decode_outages(mut self, outages: DecodeOutages) -> Session {
         self.decode_outages = outages;
         self
     }
 
-    /// Envoy cannot connect to decode for this request's model: a 503 before prefill.
+    /// Envoy cannot connect to the decode pool of this request's model: a 503 before prefill.
     fn refuse_decode_unreachable(&mut self, wait: Duration) -> Vec<Command> {
         log::debug!(
-            "[{}] refused with 503: decode for its model could not be reached (next probe in \
+            "[{}] refused with 503: its decode pool could not be reached (next probe in \
              {} ms)",
             self.request_id,
             wait.as_millis()

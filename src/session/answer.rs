@@ -198,8 +198,8 @@ impl Session {
         Step::new(flow, commands)
     }
 
-    /// Tells the VM's [`crate::decode_outage::DecodeOutages`] whether decode could be reached for this request:
-    /// from the answer to a request sent on to decode, or from Envoy's own answer while
+    /// Tells the VM's [`crate::decode_outage::DecodeOutages`] whether decode could be reached
+    /// for this request: from the answer to a request sent on to decode, or from Envoy's own answer while
     /// prefill runs, where request headers go on before the body (Envoy connects to decode
     /// for them at once).
     fn note_whether_decode_was_reached(&mut self, head: &ResponseHead) {
