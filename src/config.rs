@@ -920,6 +920,11 @@ mod tests {
                 "kv_release_timeout_ms",
             ),
             (
+                r#"{"decode_outage_retry_ms":3600001}"#,
+                "decode_outage_retry_ms",
+            ),
+            (r#"{"decode_outage_retry_ms":-1}"#, "decode_outage_retry_ms"),
+            (
                 r#"{"prefill_hosts_allowed":["10.0.0.0/8"]}"#,
                 "only with prefill_host_cluster",
             ),
