@@ -223,7 +223,8 @@ fn prepared_unless_several_prompts(api: Api, text: &str) -> Option<PreparedReque
                     || kv_vllm_refuses
                     || options_without_stream
                     || streamed_prompt_logprobs
-                    || vllm_refuses_the_limits(api, &object),
+                    || vllm_refuses_the_limits(api, &object)
+                    || vllm_cannot_read_a_capped_field(api, &object),
                 "refused: {text}: {}",
                 error.message
             );
@@ -253,6 +254,63 @@ fn vllm_refuses_the_limits(api: Api, object: &Map<String, Value>) -> bool {
     int("n").is_some_and(|n| n < 1)
         || limit.is_some_and(|limit| limit < 1)
         || minimum.is_some_and(|minimum| minimum < 0 || limit.is_some_and(|limit| minimum > limit))
+}
+
+/// A value vLLM's model refuses in a field prefill's copy overwrites: for an integer, the
+/// wrong kind of value, `null` where it is not optional, a fractional number or a string
+/// without a digit; for a bool, a number other than 0 and 1 or a string outside pydantic's
+/// words; for `stream_options`, anything but an object or null.
+fn vllm_cannot_read_a_capped_field(api: Api, object: &Map<String, Value>) -> bool {
+    let not_int = |value: &Value, optional: bool| match value {
+        Value::Null => !optional,
+        Value::Bool(_) => false,
+        Value::Number(number) => number.as_f64().is_some_and(|n| n.fract() != 0.0),
+        Value::String(text) => !text.chars().any(|c| c.is_ascii_digit()),
+        Value::Array(_) | Value::Object(_) => true,
+    };
+    let not_bool = |value: &Value| match value {
+        Value::Null | Value::Bool(_) => false,
+        Value::Number(number) => number.as_f64().is_some_and(|n| n != 0.0 && n != 1.0),
+        Value::String(text) => ![
+            "true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n",
+        ]
+        .iter()
+        .any(|word| text.eq_ignore_ascii_case(word)),
+        Value::Array(_) | Value::Object(_) => true,
+    };
+    let fields: &[(&str, u8)] = match api {
+        // 0: int, 1: optional int, 2: optional bool, 3: optional object.
+        Api::Completions => &[
+            ("max_tokens", 1),
+            ("n", 0),
+            ("min_tokens", 0),
+            ("stream", 2),
+            ("stream_options", 3),
+        ],
+        Api::ChatCompletions => &[
+            ("max_tokens", 1),
+            ("max_completion_tokens", 1),
+            ("n", 1),
+            ("min_tokens", 0),
+            ("stream", 2),
+            ("stream_options", 3),
+        ],
+        Api::Responses => &[
+            ("max_output_tokens", 1),
+            ("stream", 2),
+            ("background", 2),
+            ("store", 2),
+        ],
+        _ => &[],
+    };
+    fields.iter().any(|&(key, kind)| {
+        object.get(key).is_some_and(|value| match kind {
+            0 => not_int(value, false),
+            1 => not_int(value, true),
+            2 => not_bool(value),
+            _ => !matches!(value, Value::Null | Value::Object(_)),
+        })
+    })
 }
 
 fn parse_last_wins(text: &[u8]) -> Map<String, Value> {

@@ -23,6 +23,7 @@ pub fn refuse_what_vllm_refuses(
     object: &JsonObject,
     sampling_params: Option<&JsonObject>,
 ) -> Result<(), ClientError> {
+    check_capped_fields_readable(api, object, sampling_params)?;
     match api {
         Api::Completions | Api::ChatCompletions => {
             check_n(object)?;
@@ -42,6 +43,158 @@ pub fn refuse_what_vllm_refuses(
         Api::Generate => sampling_params.map_or(Ok(()), check_sampling_params),
         Api::CohereChat => check_cohere_limit(object),
     }
+}
+
+/// What vLLM's request model declares a field that prefill's copy overwrites to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Declared {
+    /// `int`: `null` is refused.
+    Int,
+    /// `int | None`.
+    OptionalInt,
+    /// `bool | None`.
+    OptionalBool,
+    /// An object, or `null`.
+    OptionalObject,
+}
+
+/// The fields prefill's copy overwrites (or removes) at the top level, per API, as vLLM
+/// declares them. Other keys the copy overwrites are not fields of that API's model, which
+/// vLLM ignores.
+fn capped_fields(api: Api) -> &'static [(&'static str, Declared)] {
+    use Declared::*;
+    match api {
+        Api::Completions => &[
+            ("max_tokens", OptionalInt),
+            ("n", Int),
+            ("min_tokens", Int),
+            ("stream", OptionalBool),
+            ("stream_options", OptionalObject),
+        ],
+        Api::ChatCompletions => &[
+            ("max_tokens", OptionalInt),
+            ("max_completion_tokens", OptionalInt),
+            ("n", OptionalInt),
+            ("min_tokens", Int),
+            ("stream", OptionalBool),
+            ("stream_options", OptionalObject),
+        ],
+        Api::Responses => &[
+            ("max_output_tokens", OptionalInt),
+            ("stream", OptionalBool),
+            ("background", OptionalBool),
+            ("store", OptionalBool),
+        ],
+        // `max_tokens` is required: its absence goes to prefill as sent. `min_tokens` is
+        // left out: vLLM before 0.34 has no such field and ignores any value.
+        Api::Messages => &[("max_tokens", Int), ("stream", OptionalBool)],
+        Api::Generate => &[("stream", OptionalBool), ("stream_options", OptionalObject)],
+        Api::CohereChat => &[("max_tokens", OptionalInt), ("stream", OptionalBool)],
+    }
+}
+
+/// `sampling_params` fields of the tokens-in API that prefill's copy overwrites.
+const CAPPED_SAMPLING_PARAMS: &[(&str, Declared)] = &[
+    ("max_tokens", Declared::OptionalInt),
+    ("n", Declared::Int),
+    ("min_tokens", Declared::Int),
+];
+
+/// A value vLLM's request model refuses for a field prefill's copy overwrites. Prefill
+/// would be served its own valid value, compute the whole prompt and hold its KV, and only
+/// decode would refuse the client's: such a request is refused before prefill. Only values
+/// pydantic refuses in any reading are caught (the wrong kind of JSON value, `null` where
+/// the field is not optional, a number with a fractional part for an integer, a string
+/// without a digit for an integer or outside pydantic's words for a bool); anything else is
+/// left for vLLM to judge.
+fn check_capped_fields_readable(
+    api: Api,
+    object: &JsonObject,
+    sampling_params: Option<&JsonObject>,
+) -> Result<(), ClientError> {
+    for &(field, declared) in capped_fields(api) {
+        check_readable(object, field, declared)?;
+    }
+    if let Some(params) = sampling_params.filter(|_| api == Api::Generate) {
+        for &(field, declared) in CAPPED_SAMPLING_PARAMS {
+            check_readable(params, field, declared)?;
+        }
+    }
+    Ok(())
+}
+
+fn check_readable(
+    object: &JsonObject,
+    field: &'static str,
+    declared: Declared,
+) -> Result<(), ClientError> {
+    let Some(value) = object.last_value(field) else {
+        return Ok(());
+    };
+    let refused = match declared {
+        Declared::Int => value == b"null" || surely_not_an_int(value),
+        Declared::OptionalInt => surely_not_an_int(value),
+        Declared::OptionalBool => surely_not_a_bool(value),
+        Declared::OptionalObject => !matches!(value.first(), Some(b'{' | b'n')),
+    };
+    if !refused {
+        return Ok(());
+    }
+    let kind = match declared {
+        Declared::Int | Declared::OptionalInt => "an integer",
+        Declared::OptionalBool => "a boolean",
+        Declared::OptionalObject => "an object",
+    };
+    Err(ClientError::invalid_field(
+        field,
+        format!(
+            "{field} must be {kind}, as vLLM reads it; got {}",
+            shown(value)
+        ),
+    ))
+}
+
+/// A value no reading of pydantic's lax mode takes as an int: an object, an array, a string
+/// with no digit in it, or a number written with a fraction or exponent whose value has a
+/// fractional part or is beyond any float. (An integer literal of any length is an int to
+/// Python.)
+fn surely_not_an_int(value: &[u8]) -> bool {
+    let integer_literal = !value.iter().any(|byte| matches!(byte, b'.' | b'e' | b'E'));
+    match value.first() {
+        Some(b'{' | b'[') => true,
+        Some(b'"') => serde_json::from_slice::<String>(value)
+            .is_ok_and(|text| !text.bytes().any(|byte| byte.is_ascii_digit())),
+        Some(b'-' | b'0'..=b'9') if integer_literal => false,
+        Some(b'-' | b'0'..=b'9') => std::str::from_utf8(value)
+            .ok()
+            .and_then(|text| text.parse::<f64>().ok())
+            .is_some_and(|number| !number.is_finite() || number.fract() != 0.0),
+        _ => false,
+    }
+}
+
+/// A value pydantic's lax mode never takes as a bool: an object, an array, a number other
+/// than 0 and 1, or a string outside the words it reads (`true`, `yes`, `on`, `1`, ... in
+/// any case). `null` is read as unset.
+fn surely_not_a_bool(value: &[u8]) -> bool {
+    const WORDS: [&str; 12] = [
+        "true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n",
+    ];
+    match value.first() {
+        Some(b'{' | b'[') => true,
+        Some(b'"') => serde_json::from_slice::<String>(value)
+            .is_ok_and(|text| !WORDS.iter().any(|word| text.eq_ignore_ascii_case(word))),
+        Some(b'-' | b'0'..=b'9') => std::str::from_utf8(value)
+            .ok()
+            .and_then(|text| text.parse::<f64>().ok())
+            .is_some_and(|number| number != 0.0 && number != 1.0),
+        _ => false,
+    }
+}
+
+/// A client's value as an error message shows it: its first 64 characters.
+fn shown(value: &[u8]) -> String {
+    String::from_utf8_lossy(value).chars().take(64).collect()
 }
 
 /// The Messages API's `max_tokens`, which is required and must be positive (vLLM's
@@ -495,6 +648,166 @@ mod tests {
     }
 
     #[test]
+    fn values_vllm_cannot_read_in_fields_prefill_overwrites_are_refused_before_prefill() {
+        // Prefill's copy would carry its own valid value and be served; only decode would
+        // refuse the client's.
+        let cases = [
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":4,"min_tokens":5.5}"#,
+                "min_tokens",
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","min_tokens":null}"#,
+                "min_tokens",
+            ),
+            (Api::Completions, r#"{"prompt":"hi","n":null}"#, "n"),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":7.5}"#,
+                "max_tokens",
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":"many"}"#,
+                "max_tokens",
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","stream":true,"stream_options":"yes"}"#,
+                "stream_options",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"min_tokens":null}"#,
+                "min_tokens",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_completion_tokens":[5]}"#,
+                "max_completion_tokens",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"stream":"yes please"}"#,
+                "stream",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"stream":2}"#,
+                "stream",
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"hi","max_output_tokens":"lots"}"#,
+                "max_output_tokens",
+            ),
+            (Api::Responses, r#"{"input":"hi","store":{}}"#, "store"),
+            (
+                Api::Responses,
+                r#"{"input":"hi","background":"later"}"#,
+                "background",
+            ),
+            (
+                Api::Messages,
+                r#"{"messages":[],"max_tokens":null}"#,
+                "max_tokens",
+            ),
+            (
+                Api::Messages,
+                r#"{"messages":[],"max_tokens":2.5}"#,
+                "max_tokens",
+            ),
+            (
+                Api::Messages,
+                r#"{"messages":[],"max_tokens":"abc"}"#,
+                "max_tokens",
+            ),
+            (
+                Api::CohereChat,
+                r#"{"messages":[],"max_tokens":2.5}"#,
+                "max_tokens",
+            ),
+            (
+                Api::Generate,
+                r#"{"token_ids":[1],"sampling_params":{"n":null}}"#,
+                "n",
+            ),
+            (
+                Api::Generate,
+                r#"{"token_ids":[1],"sampling_params":{"min_tokens":null}}"#,
+                "min_tokens",
+            ),
+            (
+                Api::Generate,
+                r#"{"token_ids":[1],"sampling_params":{"max_tokens":1.5}}"#,
+                "max_tokens",
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":1e400}"#,
+                "max_tokens",
+            ),
+            (
+                Api::Generate,
+                r#"{"token_ids":[1],"stream":"no way"}"#,
+                "stream",
+            ),
+        ];
+        for (api, body, field) in cases {
+            assert_eq!(refusal(api, body).0, Some(field), "{body}");
+        }
+        // Every spelling pydantic may read is left to vLLM, and so are fields an API does
+        // not have (Messages' min_tokens before vLLM 0.34). Python reads an integer literal
+        // of any length.
+        let big_limit = format!(r#"{{"prompt":"hi","max_tokens":1{}}}"#, "0".repeat(400));
+        let readable = [
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":"16","n":"1_0","temperature":1}"#,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":null,"n":1.0,"min_tokens":true}"#,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":1e2,"stream":"Yes"}"#,
+            ),
+            (Api::Completions, &big_limit),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"n":null,"max_tokens":null,"stream":null}"#,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"stream":"off","stream_options":null}"#,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"stream":1,"stream_options":{}}"#,
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"hi","max_output_tokens":null,"store":"f"}"#,
+            ),
+            (
+                Api::Messages,
+                r#"{"messages":[],"max_tokens":"100","min_tokens":null}"#,
+            ),
+            (
+                Api::Generate,
+                r#"{"token_ids":[1],"sampling_params":{"max_tokens":null}}"#,
+            ),
+            (Api::CohereChat, r#"{"messages":[],"max_tokens":null}"#),
+        ];
+        for (api, body) in readable {
+            assert_eq!(check(api, body), Ok(()), "{body}");
+        }
+    }
+
+    #[test]
     fn what_the_request_alone_does_not_settle_is_left_to_vllm() {
         let cases = [
             (
@@ -518,10 +831,6 @@ mod tests {
             (
                 Api::Completions,
                 r#"{"prompt":"hi","max_tokens":2.0,"min_tokens":5}"#,
-            ),
-            (
-                Api::Completions,
-                r#"{"prompt":"hi","max_tokens":4,"min_tokens":5.5}"#,
             ),
             (Api::Completions, r#"{"prompt":"hi","n":"0"}"#),
             // Chat without a limit: vLLM's is the context left, which only it knows.

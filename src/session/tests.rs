@@ -2098,14 +2098,21 @@ fn prompt_logprobs_larger_than_an_answer_the_filter_holds_are_refused_before_dec
         r#""01000""#,
         r#""1_000""#,
         r#""1000.0""#,
-        r#""a thousand""#,
-        r#""NaN""#,
-        "[1000]",
     ] {
         let many = format!(r#"{{"prompt":"x","max_tokens":5,"prompt_logprobs":1,"n":{n}}}"#);
         let mut s = prefilling_body(roomy, &many);
         let commands = s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
         assert_eq!(reply(&commands).0, 400, "n: {n}");
+    }
+    // An n vLLM cannot read as an integer at all is refused before prefill: prefill's copy
+    // would have n = 1 and be served, and only decode would refuse it.
+    for n in [r#""a thousand""#, r#""NaN""#, "[1000]", "2.5"] {
+        let many = format!(r#"{{"prompt":"x","max_tokens":5,"prompt_logprobs":1,"n":{n}}}"#);
+        let mut s = session(roomy);
+        let step = send(&mut s, &post("/v1/completions"), &many);
+        let (status, error) = reply(&step.commands);
+        assert_eq!(status, 400, "n: {n}");
+        assert_eq!(error["error"]["param"], "n", "{error}");
     }
 }
 
