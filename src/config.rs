@@ -8,7 +8,9 @@ use serde::Deserialize;
 
 use crate::api::Api;
 use crate::protocol::paths::{canonical_path, classify_path, PathVerdict};
-use crate::protocol::rewrite::{PrefillOptions, PrefillToolChoice, ResponsesStore};
+use crate::protocol::rewrite::{
+    ClientEcTransferParams, PrefillOptions, PrefillToolChoice, ResponsesStore,
+};
 use crate::protocol::scheduling::HostAllowlist;
 
 /// What to do when prefill answers 2xx but without usable `kv_transfer_params`.
@@ -69,6 +71,7 @@ struct RawConfig {
     usage: UsagePolicy,
     prefill_tool_choice: PrefillToolChoice,
     responses_store: ResponsesStore,
+    client_ec_transfer_params: ClientEcTransferParams,
     decode_forces_include_usage: bool,
     decode_cluster: String,
     model_decode_clusters: BTreeMap<String, String>,
@@ -114,6 +117,7 @@ impl Default for RawConfig {
             usage: UsagePolicy::Merge,
             prefill_tool_choice: PrefillToolChoice::Rewrite,
             responses_store: ResponsesStore::PerServer,
+            client_ec_transfer_params: ClientEcTransferParams::Refuse,
             decode_forces_include_usage: false,
             decode_cluster: "decode".to_owned(),
             model_decode_clusters: BTreeMap::new(),
@@ -617,6 +621,7 @@ impl Config {
             prefill_options: PrefillOptions {
                 tool_choice: raw.prefill_tool_choice,
                 responses_store: raw.responses_store,
+                client_ec_transfer_params: raw.client_ec_transfer_params,
             },
             decode_forces_include_usage: raw.decode_forces_include_usage,
             decode_cluster: raw.decode_cluster,
@@ -759,6 +764,10 @@ const SHAPES: &[(&str, Shape)] = &[
         Shape::Choice(&["rewrite", "as_sent"]),
     ),
     ("responses_store", Shape::Choice(&["per_server", "shared"])),
+    (
+        "client_ec_transfer_params",
+        Shape::Choice(&["refuse", "pass"]),
+    ),
     ("decode_forces_include_usage", Shape::Flag),
     ("decode_cluster", Shape::Text),
     ("model_decode_clusters", Shape::TextMap),
@@ -969,6 +978,22 @@ mod tests {
         );
         let error = Config::from_json(br#"{"prefill_tool_choice":"keep"}"#).unwrap_err();
         assert!(error.0.contains("rewrite, as_sent"), "{}", error.0);
+    }
+
+    #[test]
+    fn client_ec_transfer_params_are_refused_unless_passed() {
+        let config = Config::from_json(b"{}").unwrap();
+        assert_eq!(
+            config.prefill_options.client_ec_transfer_params,
+            ClientEcTransferParams::Refuse
+        );
+        let config = Config::from_json(br#"{"client_ec_transfer_params":"pass"}"#).unwrap();
+        assert_eq!(
+            config.prefill_options.client_ec_transfer_params,
+            ClientEcTransferParams::Pass
+        );
+        let error = Config::from_json(br#"{"client_ec_transfer_params":"strip"}"#).unwrap_err();
+        assert!(error.0.contains("refuse, pass"), "{}", error.0);
     }
 
     #[test]

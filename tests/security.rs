@@ -1040,6 +1040,50 @@ async fn client_kv_in_a_dropped_copy_of_a_nested_member_reaches_no_worker() {
     run_cases_then_still_serves(cases, "default").await;
 }
 
+/// vLLM's encoder-cache connector fetches from the host a request's `ec_transfer_params`
+/// name: a client's never reach a worker, at the top level or nested, orchestrated or not.
+#[tokio::test]
+async fn client_ec_transfer_params_reach_no_worker() {
+    let ec = r#"{"peer_host":"10.0.0.9","peer_port":5555}"#;
+    let mut cases = Vec::new();
+    for (listener, path, body) in [
+        (
+            "default",
+            "/v1/chat/completions",
+            format!(
+                r#"{{"max_tokens":3,"messages":[{{"role":"user","content":"hi"}}],"ec_transfer_params":{ec}}}"#
+            ),
+        ),
+        (
+            "default",
+            "/v1/completions",
+            format!(r#"{{"prompt":"hi","vllm_xargs":{{"ec_transfer_params":{ec}}}}}"#),
+        ),
+        (
+            "default",
+            "/inference/v1/generate",
+            format!(
+                r#"{{"token_ids":[1],"sampling_params":{{"extra_args":{{"ec_transfer_params":{ec}}}}}}}"#
+            ),
+        ),
+        (
+            "stripping",
+            "/v1/messages",
+            format!(r#"{{"max_tokens":3,"messages":[],"ec_transfer_params":{ec}}}"#),
+        ),
+    ] {
+        cases.push(case(path, async move {
+            let id = unique_id("client-ec");
+            let reply = post_json(listener, path, &id, body).await;
+            assert_envoy_alive();
+            reply.assert_error(400, "ec_transfer_params are set by the gateway");
+            assert!(prefilled(&id).is_empty(), "{path}");
+            assert!(decoded(&id).is_empty(), "{path}");
+        }));
+    }
+    run_cases_then_still_serves(cases, "default").await;
+}
+
 #[tokio::test]
 async fn a_stripped_path_never_passes_on_a_body_the_filter_cannot_read() {
     let mut cases = Vec::new();

@@ -20,6 +20,6 @@ pub use prefill_answer::{
 };
 pub use rewrite::{
     check_content_encoding, check_content_type, is_vllm_json, media_type, prepare, prepare_with,
-    DecodePlan, PrefillOptions, PrefillToolChoice, PreparedRequest, ResponsesStore,
-    KV_TRANSFER_PARAMS,
+    ClientEcTransferParams, DecodePlan, PrefillOptions, PrefillToolChoice, PreparedRequest,
+    ResponsesStore, KV_TRANSFER_PARAMS,
 };

@@ -11,6 +11,7 @@ use super::errors::ClientError;
 use super::limits;
 
 pub const KV_TRANSFER_PARAMS: &str = "kv_transfer_params";
+const EC_TRANSFER_PARAMS: &str = "ec_transfer_params";
 
 /// What the prefill request asks of vLLM's NIXL connector: keep the KV for a remote decode.
 pub const REMOTE_DECODE_REQUEST: &[u8] = br#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
@@ -217,11 +218,26 @@ pub enum ResponsesStore {
     Shared,
 }
 
+/// What becomes of `ec_transfer_params` a client sends (vLLM's encoder-cache handover, from
+/// an encode worker to prefill).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClientEcTransferParams {
+    /// A request that carries them is refused: they tell a worker which host to fetch an
+    /// encoder cache from, which no client may choose.
+    #[default]
+    Refuse,
+    /// They go to both legs as sent: the clients are an encode/prefill/decode proxy of the
+    /// operator's, which sets them after running the encoder.
+    Pass,
+}
+
 /// How prefill's copy of a request is written, where the operator chooses.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PrefillOptions {
     pub tool_choice: PrefillToolChoice,
     pub responses_store: ResponsesStore,
+    pub client_ec_transfer_params: ClientEcTransferParams,
 }
 
 /// [`prepare_with`] the default options.
@@ -248,6 +264,7 @@ pub fn prepare_with(
     let sampling_params = sampling_params(&object);
     refuse_nested_kv_transfer_params(&object)?;
     refuse_kv_transfer_params_vllm_refuses(&object)?;
+    refuse_client_ec_transfer_params(&object, options.client_ec_transfer_params)?;
     let asks_prompt_logprobs =
         matches!(api, Api::Completions | Api::ChatCompletions) && object.is_set("prompt_logprobs");
     // vLLM reads `stream` here as Python's truth of the raw value, so "false" counts.
@@ -459,7 +476,10 @@ fn parse_body(text: &[u8]) -> Result<JsonObject<'_>, ClientError> {
 /// read as a JSON object is refused rather than passed on: Python's `json`, which vLLM parses
 /// it with, also reads UTF-16 and UTF-32 bodies, so such a body could carry
 /// `kv_transfer_params` that the filter never saw.
-pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientError> {
+pub fn strip_kv_transfer_params(
+    body: &[u8],
+    client_ec_transfer_params: ClientEcTransferParams,
+) -> Result<Option<Vec<u8>>, ClientError> {
     let json_start = if body.starts_with(UTF8_BOM) {
         UTF8_BOM.len()
     } else {
@@ -468,6 +488,7 @@ pub fn strip_kv_transfer_params(body: &[u8]) -> Result<Option<Vec<u8>>, ClientEr
     let text = json_text(body, json_start);
     let object = parse_body(text)?;
     refuse_nested_kv_transfer_params(&object)?;
+    refuse_client_ec_transfer_params(&object, client_ec_transfer_params)?;
     Ok(without_kv_transfer_params(&object))
 }
 
@@ -506,6 +527,44 @@ fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientErr
     } else {
         Ok(())
     }
+}
+
+/// `ec_transfer_params` from a client, unless the operator lets them pass: at the top level
+/// (any copy but `null`), in `vllm_xargs`, in `sampling_params` or its `extra_args`, where
+/// vLLM also reads them. Their encoder-cache connector fetches from the host they name.
+fn refuse_client_ec_transfer_params(
+    object: &JsonObject,
+    policy: ClientEcTransferParams,
+) -> Result<(), ClientError> {
+    if policy == ClientEcTransferParams::Pass {
+        return Ok(());
+    }
+    let sets_ec = |outer: &JsonObject| {
+        outer
+            .values(EC_TRANSFER_PARAMS)
+            .any(|value| value != b"null")
+    };
+    let nested = |outer: &JsonObject, key: &str| {
+        outer
+            .values(key)
+            .filter_map(|text| JsonObject::parse(text).ok())
+            .any(|inner| sets_ec(&inner))
+    };
+    let sent = sets_ec(object)
+        || nested(object, "vllm_xargs")
+        || object
+            .values("sampling_params")
+            .filter_map(|text| JsonObject::parse(text).ok())
+            .any(|params| sets_ec(&params) || nested(&params, "extra_args"));
+    if sent {
+        return Err(ClientError::invalid_field(
+            EC_TRANSFER_PARAMS,
+            "ec_transfer_params are set by the gateway's encode stage, never by a client: \
+             they tell a worker where to fetch an encoder cache from; send the request \
+             without them",
+        ));
+    }
+    Ok(())
 }
 
 /// A client's own `kv_transfer_params` that are not an object (or null): vLLM refuses the
@@ -1571,17 +1630,59 @@ mod tests {
         assert_eq!(prepared.decode.len_with_kv(2), decode.len());
     }
 
+    fn strip(body: &[u8]) -> Result<Option<Vec<u8>>, ClientError> {
+        strip_kv_transfer_params(body, ClientEcTransferParams::Refuse)
+    }
+
+    #[test]
+    fn client_ec_transfer_params_are_refused_wherever_vllm_reads_them_unless_passed() {
+        let ec = r#"{"peer_host":"10.0.0.9","peer_port":5555}"#;
+        let bodies = [
+            format!(r#"{{"prompt":"x","ec_transfer_params":{ec}}}"#),
+            format!(r#"{{"prompt":"x","ec_transfer_params":{ec},"ec_transfer_params":null}}"#),
+            format!(r#"{{"prompt":"x","vllm_xargs":{{"ec_transfer_params":{ec}}}}}"#),
+            format!(r#"{{"token_ids":[1],"sampling_params":{{"ec_transfer_params":{ec}}}}}"#),
+            format!(
+                r#"{{"token_ids":[1],"sampling_params":{{"extra_args":{{"ec_transfer_params":{ec}}}}}}}"#
+            ),
+        ];
+        for body in &bodies {
+            for api in [Api::Completions, Api::Generate] {
+                let error = prepare(api, body.as_bytes()).unwrap_err();
+                assert_eq!(error.status, 400, "{body}");
+                assert!(
+                    error.message.contains("ec_transfer_params"),
+                    "{}",
+                    error.message
+                );
+            }
+            assert_eq!(strip(body.as_bytes()).unwrap_err().status, 400, "{body}");
+            let pass = PrefillOptions {
+                client_ec_transfer_params: ClientEcTransferParams::Pass,
+                ..PrefillOptions::default()
+            };
+            let prepared = prepare_with(Api::Completions, body.as_bytes(), pass).unwrap();
+            let prefill = String::from_utf8(prepared.prefill_body).unwrap();
+            assert!(prefill.contains("ec_transfer_params"), "{prefill}");
+            let stripped =
+                strip_kv_transfer_params(body.as_bytes(), ClientEcTransferParams::Pass).unwrap();
+            assert_eq!(stripped, None, "{body}");
+        }
+        // A null is no parameters at all.
+        let null = br#"{"prompt":"x","ec_transfer_params":null}"#;
+        assert!(prepare(Api::Completions, null).is_ok());
+        assert_eq!(strip(null), Ok(None));
+    }
+
     #[test]
     fn stripping_removes_every_client_kv_transfer_params() {
         assert_eq!(
-            strip_kv_transfer_params(
-                br#"{"kv_transfer_params":{"a":1},"x":1,"kv_transfer_params":2}"#
-            )
-            .unwrap()
-            .unwrap(),
+            strip(br#"{"kv_transfer_params":{"a":1},"x":1,"kv_transfer_params":2}"#)
+                .unwrap()
+                .unwrap(),
             br#"{"x":1}"#
         );
-        assert_eq!(strip_kv_transfer_params(br#"{"x":1}"#), Ok(None));
+        assert_eq!(strip(br#"{"x":1}"#), Ok(None));
     }
 
     #[test]
@@ -1603,13 +1704,13 @@ mod tests {
             b"[1]".to_vec(),
         ];
         for body in cases {
-            let error = strip_kv_transfer_params(&body).unwrap_err();
+            let error = strip(&body).unwrap_err();
             assert_eq!(error.status, 400, "{}", String::from_utf8_lossy(&body));
         }
         // NaN and the infinities the filter reads as Python does.
         for value in ["NaN", "Infinity", "-Infinity"] {
             let body = format!(r#"{{"x":{value},{kv}}}"#);
-            let stripped = strip_kv_transfer_params(body.as_bytes()).unwrap().unwrap();
+            let stripped = strip(body.as_bytes()).unwrap().unwrap();
             assert_eq!(
                 String::from_utf8(stripped).unwrap(),
                 format!(r#"{{"x":{value}}}"#)
@@ -2078,12 +2179,7 @@ mod tests {
         ] {
             let error = prepare(Api::Completions, body.as_bytes()).unwrap_err();
             assert_eq!(error.status, 400);
-            assert_eq!(
-                strip_kv_transfer_params(body.as_bytes())
-                    .unwrap_err()
-                    .status,
-                400
-            );
+            assert_eq!(strip(body.as_bytes()).unwrap_err().status, 400);
         }
         let fine = r#"{"prompt":"x","vllm_xargs":{"k":1},"sampling_params":{"extra_args":{}}}"#;
         assert!(prepare(Api::Completions, fine.as_bytes()).is_ok());

@@ -248,7 +248,10 @@ impl Session {
         }
         match std::mem::replace(&mut self.state, State::PassThrough) {
             State::Buffering(pending) => self.start_prefill(&config, pending, body, now),
-            State::StrippingKv => match strip_kv_transfer_params(&body) {
+            State::StrippingKv => match strip_kv_transfer_params(
+                &body,
+                config.prefill_options.client_ec_transfer_params,
+            ) {
                 Ok(stripped) => {
                     let commands = stripped
                         .map(|stripped| Command::ReplaceRequestBody {
