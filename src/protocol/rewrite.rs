@@ -369,6 +369,9 @@ pub fn prepare_with(
              request without echo",
         ));
     }
+    if !answered_by_prefill {
+        refuse_truncation_to_the_context_left(api, &object)?;
+    }
     // Prefill answers a one-token echo whole, without handing KV over: several prompts in
     // one are served as vLLM serves them (lm-eval batches its loglikelihood requests so).
     if api == Api::Completions && !answered_by_prefill && batches_prompts(&object) {
@@ -822,6 +825,44 @@ fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
 /// generations would reach decode without `echo`, which vLLM refuses (its `max_tokens: 0` is
 /// only taken with `echo`). A spelling read here that pydantic refuses goes to prefill as
 /// sent, which refuses it as one vLLM would.
+/// vLLM's renderer cuts a prompt under `truncate_prompt_tokens: -1` (completions, chat), and
+/// under any `truncation` but `"disabled"` on `/v1/responses` (`null` included), to the
+/// context left after the request's own output limit (`TokenizeParams.max_input_tokens`:
+/// `max_model_len` less `max_tokens`, or `max_output_tokens`), keeping the prompt's end.
+/// Prefill's copy is capped at one token, so it keeps more of a long prompt than decode's:
+/// the legs would compute different prompts, and decode would answer from KV made for
+/// another. A positive `truncate_prompt_tokens` cuts both legs alike.
+fn refuse_truncation_to_the_context_left(api: Api, object: &JsonObject) -> Result<(), ClientError> {
+    let truncates = match api {
+        Api::Completions | Api::ChatCompletions => object
+            .last_value("truncate_prompt_tokens")
+            .and_then(lax_number)
+            .is_some_and(|number| number == -1.0),
+        Api::Responses => object.last_value("truncation").is_some_and(|value| {
+            serde_json::from_slice::<String>(value).map_or(true, |text| text != "disabled")
+        }),
+        _ => false,
+    };
+    if !truncates {
+        return Ok(());
+    }
+    let (param, asked) = if api == Api::Responses {
+        ("truncation", "truncation other than \"disabled\"")
+    } else {
+        ("truncate_prompt_tokens", "truncate_prompt_tokens -1")
+    };
+    Err(ClientError::invalid_field(
+        param,
+        format!(
+            "{asked} cannot be served through prefill/decode disaggregation: vLLM cuts the \
+             prompt to the context its output limit leaves, and prefill's one-token copy \
+             would keep more of the prompt than decode, which would then answer from KV \
+             computed for another prompt; shorten the prompt yourself, or send a positive \
+             truncate_prompt_tokens below the context the answer leaves"
+        ),
+    ))
+}
+
 fn max_tokens_as_read(object: &JsonObject) -> Option<f64> {
     object.last_value("max_tokens").and_then(lax_number)
 }
@@ -1994,6 +2035,66 @@ mod tests {
         assert_eq!(error.param, Some("truncate_prompt_tokens"));
         let body = r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":3,"truncate_prompt_tokens":100}"#;
         assert!(prepare(Api::Completions, body.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn truncation_to_the_context_left_by_the_output_limit_is_refused() {
+        // vLLM keeps `max_model_len - max_tokens` of the prompt under -1: prefill's
+        // one-token copy would keep more of a long prompt than decode's.
+        for (api, body, param) in [
+            (
+                Api::Completions,
+                r#"{"prompt":"a b","max_tokens":1000,"truncate_prompt_tokens":-1}"#,
+                "truncate_prompt_tokens",
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"a b","truncate_prompt_tokens":"-1"}"#,
+                "truncate_prompt_tokens",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_tokens":1000,"truncate_prompt_tokens":-1}"#,
+                "truncate_prompt_tokens",
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"a b","max_output_tokens":1000,"truncation":"auto"}"#,
+                "truncation",
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"a b","truncation":null}"#,
+                "truncation",
+            ),
+        ] {
+            let error = prepare(api, body.as_bytes()).unwrap_err();
+            assert_eq!(error.status, 400, "{body}");
+            assert_eq!(error.param, Some(param), "{body}");
+        }
+        // Cut alike on both legs, or not at all.
+        for (api, body) in [
+            (
+                Api::Completions,
+                r#"{"prompt":"a b","max_tokens":1000,"truncate_prompt_tokens":100}"#,
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"truncate_prompt_tokens":null}"#,
+            ),
+            (Api::Responses, r#"{"input":"a b","truncation":"disabled"}"#),
+            (
+                Api::Responses,
+                r#"{"input":"a b","truncation":"disa\u0062led"}"#,
+            ),
+            // Answered by prefill alone: one leg, one cut.
+            (
+                Api::Completions,
+                r#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1,"truncate_prompt_tokens":-1}"#,
+            ),
+        ] {
+            assert!(prepare(api, body.as_bytes()).is_ok(), "{body}");
+        }
     }
 
     #[test]
