@@ -9,7 +9,7 @@ use serde::Deserialize;
 use crate::api::Api;
 use crate::protocol::paths::{canonical_path, classify_path, PathVerdict};
 use crate::protocol::rewrite::{
-    ClientEcTransferParams, PrefillOptions, PrefillToolChoice, ResponsesStore,
+    ClientEcTransferParams, PrefillOptions, PrefillToolChoice, ResponsesStore, TruncateToContext,
 };
 use crate::protocol::scheduling::HostAllowlist;
 
@@ -72,6 +72,7 @@ struct RawConfig {
     prefill_tool_choice: PrefillToolChoice,
     responses_store: ResponsesStore,
     client_ec_transfer_params: ClientEcTransferParams,
+    truncate_to_context: TruncateToContext,
     decode_forces_include_usage: bool,
     decode_cluster: String,
     model_decode_clusters: BTreeMap<String, String>,
@@ -118,6 +119,7 @@ impl Default for RawConfig {
             prefill_tool_choice: PrefillToolChoice::Rewrite,
             responses_store: ResponsesStore::PerServer,
             client_ec_transfer_params: ClientEcTransferParams::Refuse,
+            truncate_to_context: TruncateToContext::Refuse,
             decode_forces_include_usage: false,
             decode_cluster: "decode".to_owned(),
             model_decode_clusters: BTreeMap::new(),
@@ -622,6 +624,7 @@ impl Config {
                 tool_choice: raw.prefill_tool_choice,
                 responses_store: raw.responses_store,
                 client_ec_transfer_params: raw.client_ec_transfer_params,
+                truncate_to_context: raw.truncate_to_context,
             },
             decode_forces_include_usage: raw.decode_forces_include_usage,
             decode_cluster: raw.decode_cluster,
@@ -768,6 +771,7 @@ const SHAPES: &[(&str, Shape)] = &[
         "client_ec_transfer_params",
         Shape::Choice(&["refuse", "pass"]),
     ),
+    ("truncate_to_context", Shape::Choice(&["refuse", "serve"])),
     ("decode_forces_include_usage", Shape::Flag),
     ("decode_cluster", Shape::Text),
     ("model_decode_clusters", Shape::TextMap),
@@ -994,6 +998,22 @@ mod tests {
         );
         let error = Config::from_json(br#"{"client_ec_transfer_params":"strip"}"#).unwrap_err();
         assert!(error.0.contains("refuse, pass"), "{}", error.0);
+    }
+
+    #[test]
+    fn truncation_to_the_context_is_refused_unless_served() {
+        let config = Config::from_json(b"{}").unwrap();
+        assert_eq!(
+            config.prefill_options.truncate_to_context,
+            TruncateToContext::Refuse
+        );
+        let config = Config::from_json(br#"{"truncate_to_context":"serve"}"#).unwrap();
+        assert_eq!(
+            config.prefill_options.truncate_to_context,
+            TruncateToContext::Serve
+        );
+        let error = Config::from_json(br#"{"truncate_to_context":"yes"}"#).unwrap_err();
+        assert!(error.0.contains("refuse, serve"), "{}", error.0);
     }
 
     #[test]

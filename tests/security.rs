@@ -1084,6 +1084,38 @@ async fn client_ec_transfer_params_reach_no_worker() {
     run_cases_then_still_serves(cases, "default").await;
 }
 
+/// vLLM up to 0.33 cuts a prompt under `truncate_prompt_tokens: -1` (or Responses'
+/// `truncation: "auto"`) to the context less the output limit: prefill's one-token copy would
+/// keep more of a long prompt than decode, whose answer would come from another prompt's KV.
+#[tokio::test]
+async fn truncation_to_the_context_is_refused_before_prefill() {
+    let mut cases = Vec::new();
+    for (path, body) in [
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","max_tokens":500,"truncate_prompt_tokens":-1}"#,
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":500,"truncate_prompt_tokens":-1}"#,
+        ),
+        (
+            "/v1/responses",
+            r#"{"input":"hi","max_output_tokens":500,"truncation":"auto"}"#,
+        ),
+    ] {
+        cases.push(case(path, async move {
+            let id = unique_id("truncation");
+            let reply = post_json("default", path, &id, body).await;
+            assert_envoy_alive();
+            reply.assert_error(400, "cannot be served through prefill/decode");
+            assert!(prefilled(&id).is_empty(), "{path}");
+            assert!(decoded(&id).is_empty(), "{path}");
+        }));
+    }
+    run_cases_then_still_serves(cases, "default").await;
+}
+
 #[tokio::test]
 async fn a_stripped_path_never_passes_on_a_body_the_filter_cannot_read() {
     let mut cases = Vec::new();

@@ -232,12 +232,25 @@ pub enum ClientEcTransferParams {
     Pass,
 }
 
+/// Requests that ask vLLM to cut the prompt to the model's context.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TruncateToContext {
+    /// Refused: vLLM up to 0.33 cuts them to the context less the output limit, which
+    /// differs between prefill's one-token copy and decode.
+    #[default]
+    Refuse,
+    /// Served: vLLM 0.34 and later cut both legs at the context less one token.
+    Serve,
+}
+
 /// How prefill's copy of a request is written, where the operator chooses.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PrefillOptions {
     pub tool_choice: PrefillToolChoice,
     pub responses_store: ResponsesStore,
     pub client_ec_transfer_params: ClientEcTransferParams,
+    pub truncate_to_context: TruncateToContext,
 }
 
 /// [`prepare_with`] the default options.
@@ -370,7 +383,7 @@ pub fn prepare_with(
         ));
     }
     if !answered_by_prefill {
-        refuse_truncation_to_the_context_left(api, &object)?;
+        refuse_truncation_to_the_context_left(api, &object, options.truncate_to_context)?;
     }
     // Prefill answers a one-token echo whole, without handing KV over: several prompts in
     // one are served as vLLM serves them (lm-eval batches its loglikelihood requests so).
@@ -819,20 +832,22 @@ fn echoes_prompt_logprobs(object: &JsonObject) -> bool {
     object.is_true("echo") && object.is_set("logprobs")
 }
 
-/// A completions request's `max_tokens` in any spelling pydantic reads as a number (`0.0`,
-/// `-0`, `false`, `"0"`, `1e0`, `true`, `"1"`, ...). With `echo`, a 0 or 1 generates no
-/// token or one, which prefill's answer holds already. A 0 that went the way of longer
-/// generations would reach decode without `echo`, which vLLM refuses (its `max_tokens: 0` is
-/// only taken with `echo`). A spelling read here that pydantic refuses goes to prefill as
-/// sent, which refuses it as one vLLM would.
-/// vLLM's renderer cuts a prompt under `truncate_prompt_tokens: -1` (completions, chat), and
+/// vLLM up to 0.33 cuts a prompt under `truncate_prompt_tokens: -1` (completions, chat), and
 /// under any `truncation` but `"disabled"` on `/v1/responses` (`null` included), to the
 /// context left after the request's own output limit (`TokenizeParams.max_input_tokens`:
 /// `max_model_len` less `max_tokens`, or `max_output_tokens`), keeping the prompt's end.
 /// Prefill's copy is capped at one token, so it keeps more of a long prompt than decode's:
 /// the legs would compute different prompts, and decode would answer from KV made for
-/// another. A positive `truncate_prompt_tokens` cuts both legs alike.
-fn refuse_truncation_to_the_context_left(api: Api, object: &JsonObject) -> Result<(), ClientError> {
+/// another. vLLM 0.34 cuts both at the context less one token, where the operator may
+/// serve them. A positive `truncate_prompt_tokens` cuts both legs alike.
+fn refuse_truncation_to_the_context_left(
+    api: Api,
+    object: &JsonObject,
+    policy: TruncateToContext,
+) -> Result<(), ClientError> {
+    if policy == TruncateToContext::Serve {
+        return Ok(());
+    }
     let truncates = match api {
         Api::Completions | Api::ChatCompletions => object
             .last_value("truncate_prompt_tokens")
@@ -857,12 +872,19 @@ fn refuse_truncation_to_the_context_left(api: Api, object: &JsonObject) -> Resul
             "{asked} cannot be served through prefill/decode disaggregation: vLLM cuts the \
              prompt to the context its output limit leaves, and prefill's one-token copy \
              would keep more of the prompt than decode, which would then answer from KV \
-             computed for another prompt; shorten the prompt yourself, or send a positive \
-             truncate_prompt_tokens below the context the answer leaves"
+             computed for another prompt (vLLM 0.34 and later cut both alike: ask the \
+             operator for truncate_to_context: serve); shorten the prompt yourself, or send \
+             a positive truncate_prompt_tokens below the context the answer leaves"
         ),
     ))
 }
 
+/// A completions request's `max_tokens` in any spelling pydantic reads as a number (`0.0`,
+/// `-0`, `false`, `"0"`, `1e0`, `true`, `"1"`, ...). With `echo`, a 0 or 1 generates no
+/// token or one, which prefill's answer holds already. A 0 that went the way of longer
+/// generations would reach decode without `echo`, which vLLM refuses (its `max_tokens: 0` is
+/// only taken with `echo`). A spelling read here that pydantic refuses goes to prefill as
+/// sent, which refuses it as one vLLM would.
 fn max_tokens_as_read(object: &JsonObject) -> Option<f64> {
     object.last_value("max_tokens").and_then(lax_number)
 }
@@ -2038,9 +2060,14 @@ mod tests {
     }
 
     #[test]
-    fn truncation_to_the_context_left_by_the_output_limit_is_refused() {
-        // vLLM keeps `max_model_len - max_tokens` of the prompt under -1: prefill's
-        // one-token copy would keep more of a long prompt than decode's.
+    fn truncation_to_the_context_left_by_the_output_limit_is_refused_unless_served() {
+        // vLLM up to 0.33 keeps `max_model_len - max_tokens` of the prompt under -1:
+        // prefill's one-token copy would keep more of a long prompt than decode's. 0.34
+        // keeps `max_model_len - 1` on both, where the operator serves them.
+        let serve = PrefillOptions {
+            truncate_to_context: TruncateToContext::Serve,
+            ..PrefillOptions::default()
+        };
         for (api, body, param) in [
             (
                 Api::Completions,
@@ -2071,6 +2098,9 @@ mod tests {
             let error = prepare(api, body.as_bytes()).unwrap_err();
             assert_eq!(error.status, 400, "{body}");
             assert_eq!(error.param, Some(param), "{body}");
+            let prepared = prepare_with(api, body.as_bytes(), serve).unwrap();
+            let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
+            assert!(prefill.get(param).is_some(), "{prefill}");
         }
         // Cut alike on both legs, or not at all.
         for (api, body) in [
