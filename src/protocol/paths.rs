@@ -50,6 +50,16 @@ pub fn classify_path<'a>(
         None if stripped.iter().any(|p| *p == canonical) => PathVerdict::StripKvTransferParams,
         None => return PathVerdict::NotOurs,
     };
+    if raw_path.bytes().any(|byte| !(0x21..0x7f).contains(&byte)) {
+        // Envoy takes raw non-ASCII bytes in an HTTP/2 path: the filter reads them through
+        // UTF-8 (a byte that is not becomes U+FFFD on prefill's path) while decode gets them
+        // raw, so the two legs would be asked different things.
+        return PathVerdict::Refuse(ClientError::bad_request(format!(
+            "request path {:?} has a byte a URL cannot carry unencoded (non-ASCII, space or \
+             control): percent-encode it",
+            shown(raw_path)
+        )));
+    }
     if canonical == path {
         verdict
     } else {
@@ -207,6 +217,21 @@ mod tests {
         ] {
             assert_refused(path, "control character");
         }
+    }
+
+    #[test]
+    fn raw_bytes_a_url_cannot_carry_are_refused_on_our_paths() {
+        // HTTP/2 lets a client put raw non-ASCII bytes in `:path`; the filter reads them
+        // through UTF-8, decode gets them raw.
+        for path in [
+            "/v1/completions?\u{fffd}",
+            "/v1/completions?x=\u{e9}",
+            "/v1/chat/completions?a b",
+            "/v1/messages?\u{7f}",
+        ] {
+            assert_refused(path, "cannot carry unencoded");
+        }
+        assert_eq!(classify("/v1/models?\u{e9}"), PathVerdict::NotOurs);
     }
 
     #[test]
