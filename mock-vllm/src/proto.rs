@@ -209,6 +209,7 @@ pub(crate) fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Parsed, String> {
 
 /// The prompt logprobs a request asks for: its `prompt_logprobs`, or, on completions with
 /// `echo`, its `logprobs` (vLLM's `CompletionRequest.to_sampling_params` does the same).
+/// Only completions and chat have the field; the other APIs ignore it, as vLLM's models do.
 fn prompt_logprobs(endpoint: Endpoint, obj: &Map<String, Value>) -> Option<u64> {
     let asked = obj.get("prompt_logprobs").and_then(Value::as_u64);
     let echo = obj.get("echo") == Some(&Value::Bool(true));
@@ -216,7 +217,8 @@ fn prompt_logprobs(endpoint: Endpoint, obj: &Map<String, Value>) -> Option<u64> 
         Endpoint::Completions if asked.is_none() && echo => {
             obj.get("logprobs").and_then(Value::as_u64)
         }
-        _ => asked,
+        Endpoint::Completions | Endpoint::Chat => asked,
+        _ => None,
     }
 }
 
