@@ -123,6 +123,7 @@ impl DecodeOutages {
         {
             if run.refusing_until.is_none() {
                 log::warn!(
+                    target: crate::log_budget::EVENT_TARGET,
                     "decode pool {pool:?} could not be reached {} times in a row over \
                      {} ms: its new requests are answered 503 before prefill, one let through \
                      every {} ms to see whether decode is back (decode_outage_retry_ms)",
@@ -147,7 +148,10 @@ impl DecodeOutages {
         }
         if let Some(run) = runs.remove(pool) {
             if run.refusing_until.is_some() {
-                log::warn!("decode pool {pool:?} answers again: its requests go on");
+                log::warn!(
+                    target: crate::log_budget::EVENT_TARGET,
+                    "decode pool {pool:?} answers again: its requests go on"
+                );
             }
         }
     }

@@ -52,9 +52,74 @@ impl LogBudget {
     }
 }
 
+/// Target of the lines that say a worker's state changed (a decode pool refused, then served
+/// again): rare, and what an operator reads first in an outage. They take a budget of their
+/// own, so that a fault storm's per-request lines, which use up the ordinary budget every
+/// second, cannot crowd them out.
+pub const EVENT_TARGET: &str = "pd_filter::event";
+
+/// A worker's two budgets: per-request lines, and [`EVENT_TARGET`]'s.
+#[derive(Debug)]
+pub struct LogBudgets {
+    lines: LogBudget,
+    events: LogBudget,
+}
+
+impl LogBudgets {
+    /// At most `per_second` lines a second of each kind; 0: every line.
+    pub const fn new(per_second: u32) -> LogBudgets {
+        LogBudgets {
+            lines: LogBudget::new(per_second),
+            events: LogBudget::new(per_second),
+        }
+    }
+
+    /// A line of `target` at `second` (since the epoch) asks to be written.
+    pub fn admit(&mut self, target: &str, second: u64) -> Admission {
+        if target == EVENT_TARGET {
+            self.events.admit(second)
+        } else {
+            self.lines.admit(second)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn events_are_not_crowded_out_by_per_request_lines() {
+        let mut budgets = LogBudgets::new(2);
+        let written = Admission::Write {
+            not_written_before: 0,
+        };
+        // A fault storm: every second's budget of per-request lines is used up.
+        for _ in 0..50 {
+            budgets.admit("pd_filter::session::answer", 10);
+        }
+        assert_eq!(
+            budgets.admit("pd_filter::session::answer", 10),
+            Admission::Drop
+        );
+        // The decode pool's outage, and its end, are still written.
+        assert_eq!(budgets.admit(EVENT_TARGET, 10), written);
+        assert_eq!(budgets.admit(EVENT_TARGET, 10), written);
+        // Events are bounded too.
+        assert_eq!(budgets.admit(EVENT_TARGET, 10), Admission::Drop);
+        assert_eq!(
+            budgets.admit("pd_filter::filter", 11),
+            Admission::Write {
+                not_written_before: 49
+            }
+        );
+        assert_eq!(
+            budgets.admit(EVENT_TARGET, 11),
+            Admission::Write {
+                not_written_before: 1
+            }
+        );
+    }
 
     #[test]
     fn each_second_writes_a_bounded_number_and_counts_the_rest() {

@@ -1,6 +1,7 @@
 //! The filter's `log` backend: lines go to Envoy's log, at most `max_log_lines_per_second` a
 //! second per worker at info and above (debug and trace, off unless Envoy's level asks for
-//! them, are not counted).
+//! them, are not counted), and as many again of the lines that say a worker's state changed
+//! ([`crate::log_budget::EVENT_TARGET`]), which have a budget of their own.
 
 use std::cell::RefCell;
 use std::time::UNIX_EPOCH;
@@ -8,14 +9,14 @@ use std::time::UNIX_EPOCH;
 use proxy_wasm::types::LogLevel;
 
 use crate::host;
-use crate::log_budget::{Admission, LogBudget, LINES_PER_SECOND};
+use crate::log_budget::{Admission, LogBudgets, LINES_PER_SECOND};
 
 struct HostLogger;
 
 static LOGGER: HostLogger = HostLogger;
 
 thread_local! {
-    static BUDGET: RefCell<LogBudget> = const { RefCell::new(LogBudget::new(LINES_PER_SECOND)) };
+    static BUDGET: RefCell<LogBudgets> = const { RefCell::new(LogBudgets::new(LINES_PER_SECOND)) };
 }
 
 /// Makes this the `log` backend, at `level`, and panics (which would end the VM) logged.
@@ -32,7 +33,7 @@ pub fn install(level: LogLevel) {
 pub fn set_lines_per_second(per_second: u32) {
     BUDGET.with(|budget| {
         if let Ok(mut budget) = budget.try_borrow_mut() {
-            *budget = LogBudget::new(per_second);
+            *budget = LogBudgets::new(per_second);
         }
     });
 }
@@ -76,7 +77,9 @@ impl log::Log for HostLogger {
             let admission = BUDGET.with(|budget| {
                 budget
                     .try_borrow_mut()
-                    .map_or(Admission::Drop, |mut budget| budget.admit(second))
+                    .map_or(Admission::Drop, |mut budget| {
+                        budget.admit(record.target(), second)
+                    })
             });
             match admission {
                 Admission::Drop => return,
