@@ -284,13 +284,13 @@ echo "ENVOY_IMAGE=$ENVOY_IMAGE RUST_IMAGE=$RUST_IMAGE BASE_IMAGE=$BASE_IMAGE MOC
 
 step "Stack: build, up"
 # envoy/envoy-compose.yaml on the host's loopback: its two listeners (clients, admin) and its
-# two clusters' hosts (the compose services) at 127.0.0.1, everything else as shipped.
+# three clusters' hosts (the compose services) at 127.0.0.1, everything else as shipped.
 sed -e 's/address: 0\.0\.0\.0,/address: 127.0.0.1,/' \
     -e 's/address: prefill, port_value: 8100/address: 127.0.0.1, port_value: 8100/' \
     -e 's/address: decode, port_value: 8200/address: 127.0.0.1, port_value: 8200/' \
     envoy/envoy-compose.yaml >"$work/envoy.yaml"
-[ "$(grep -c 'address: 127\.0\.0\.1,' "$work/envoy.yaml")" -eq 4 ] ||
-    die "envoy/envoy-compose.yaml: expected two 0.0.0.0 listeners and the clusters prefill:8100, decode:8200"
+[ "$(grep -c 'address: 127\.0\.0\.1,' "$work/envoy.yaml")" -eq 5 ] ||
+    die "envoy/envoy-compose.yaml: expected two 0.0.0.0 listeners and the clusters prefill:8100, decode:8200 and decode-release:8200"
 logged compose-config.log "${compose[@]}" -f docker-compose.yml config -q ||
     die "docker-compose.yml does not pass docker compose config"
 expect "docker-compose.yml passes \`${compose[*]} config\`" "" true

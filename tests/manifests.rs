@@ -4018,3 +4018,58 @@ fn envoy_yaml_keeps_a_connection_after_a_refused_request_in_envoy() {
     assert_eq!(raw.matches("HTTP/1.1 ").count(), 1, "{raw}");
     assert_eq!(decode.requests().len(), before, "{:?}", decode.requests());
 }
+
+/// envoy/envoy.yaml and envoy/envoy-compose.yaml send the filter's KV releases to a cluster of
+/// their own, not the one the route sends clients to, and give decode's pool circuit breakers
+/// above Envoy's default of 1,024: clients that stop reading long answers hold decode's
+/// requests until stream_idle_timeout, and at the default a couple of thousand such streams
+/// made every other request 503 and every KV release fail (review of the deployment files).
+#[test]
+fn kv_releases_have_a_pool_of_their_own_and_decodes_pool_is_raised() {
+    for relative in ["envoy/envoy.yaml", "envoy/envoy-compose.yaml"] {
+        let config = yaml_file(relative).remove(0);
+        let clusters = config["static_resources"]["clusters"]
+            .as_array()
+            .expect("clusters");
+        let mut routed = Vec::new();
+        for (_, hcm) in http_connection_managers(&config) {
+            for host in hcm["route_config"]["virtual_hosts"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                for route in host["routes"].as_array().into_iter().flatten() {
+                    if let Some(cluster) = route["route"]["cluster"].as_str() {
+                        routed.push(cluster.to_owned());
+                    }
+                }
+            }
+            for (_, plugin) in wasm_filters(hcm) {
+                let release = plugin["decode_cluster"]
+                    .as_str()
+                    .unwrap_or_else(|| panic!("{relative}: no decode_cluster"));
+                assert!(
+                    !routed.iter().any(|c| c == release),
+                    "{relative}: KV releases share the routed cluster {release:?}"
+                );
+                assert!(
+                    clusters.iter().any(|c| c["name"] == release),
+                    "{relative}: no cluster {release:?}"
+                );
+            }
+        }
+        for name in routed {
+            let cluster = clusters
+                .iter()
+                .find(|c| c["name"] == name.as_str())
+                .unwrap_or_else(|| panic!("{relative}: no cluster {name}"));
+            let thresholds = &cluster["circuit_breakers"]["thresholds"][0];
+            for key in ["max_requests", "max_pending_requests", "max_connections"] {
+                assert!(
+                    thresholds[key].as_u64().is_some_and(|n| n >= 4096),
+                    "{relative}: cluster {name}: {key} at Envoy's default (1,024) or below 4,096"
+                );
+            }
+        }
+    }
+}
