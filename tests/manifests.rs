@@ -4019,15 +4019,20 @@ fn envoy_yaml_keeps_a_connection_after_a_refused_request_in_envoy() {
     assert_eq!(decode.requests().len(), before, "{:?}", decode.requests());
 }
 
-/// envoy/envoy.yaml and envoy/envoy-compose.yaml send the filter's KV releases to a cluster of
-/// their own, not the one the route sends clients to, and give decode's pool circuit breakers
-/// above Envoy's default of 1,024: clients that stop reading long answers hold decode's
-/// requests until stream_idle_timeout, and at the default a couple of thousand such streams
-/// made every other request 503 and every KV release fail (review of the deployment files).
+/// Every Envoy configuration sends the filter's KV releases to clusters of their own, not the
+/// ones the routes send clients to, and gives decode's pools circuit breakers above Envoy's
+/// default of 1,024: clients that stop reading long answers hold decode's requests until
+/// stream_idle_timeout, and at the default a couple of thousand such streams made every other
+/// request 503 and every KV release fail (review of the deployment files).
 #[test]
 fn kv_releases_have_a_pool_of_their_own_and_decodes_pool_is_raised() {
-    for relative in ["envoy/envoy.yaml", "envoy/envoy-compose.yaml"] {
-        let config = yaml_file(relative).remove(0);
+    for path in envoy_configs() {
+        let relative = path
+            .strip_prefix(repo_root())
+            .expect("under the repository")
+            .to_string_lossy()
+            .into_owned();
+        let config = yaml_file(&relative).remove(0);
         let clusters = config["static_resources"]["clusters"]
             .as_array()
             .expect("clusters");
@@ -4048,14 +4053,20 @@ fn kv_releases_have_a_pool_of_their_own_and_decodes_pool_is_raised() {
                 let release = plugin["decode_cluster"]
                     .as_str()
                     .unwrap_or_else(|| panic!("{relative}: no decode_cluster"));
-                assert!(
-                    !routed.iter().any(|c| c == release),
-                    "{relative}: KV releases share the routed cluster {release:?}"
-                );
-                assert!(
-                    clusters.iter().any(|c| c["name"] == release),
-                    "{relative}: no cluster {release:?}"
-                );
+                let per_model = plugin["model_decode_clusters"]
+                    .as_object()
+                    .into_iter()
+                    .flat_map(|map| map.values().filter_map(|v| v.as_str()));
+                for release in std::iter::once(release).chain(per_model) {
+                    assert!(
+                        !routed.iter().any(|c| c == release),
+                        "{relative}: KV releases share the routed cluster {release:?}"
+                    );
+                    assert!(
+                        clusters.iter().any(|c| c["name"] == release),
+                        "{relative}: no cluster {release:?}"
+                    );
+                }
             }
         }
         for name in routed {
