@@ -2102,6 +2102,11 @@ mod tests {
             let prefill: Value = serde_json::from_slice(&prepared.prefill_body).unwrap();
             assert!(prefill.get(param).is_some(), "{prefill}");
         }
+        // Prefill's prompt-alone copy of an echo (`max_tokens: 0`) keeps the whole context
+        // on 0.34 too, and decode one token less.
+        let echo = br#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":5,"truncate_prompt_tokens":-1}"#;
+        let error = prepare_with(Api::Completions, echo, serve).unwrap_err();
+        assert_eq!(error.param, Some("truncate_prompt_tokens"));
         // Cut alike on both legs, or not at all.
         for (api, body) in [
             (
