@@ -550,6 +550,13 @@ fn istio_names_agree_across_the_manifests() {
     }
     for route in &routes {
         assert_eq!(route["timeout"], "0s", "long generations: {route}");
+        // Under the WasmPlugin the request headers go on before prefill: a retry would send
+        // decode the client's body as Envoy holds it while prefill runs. Istio retries
+        // connection failures unless told otherwise.
+        assert_eq!(
+            route["retries"]["attempts"], 0,
+            "decode routes must not retry under the WasmPlugin: {route}"
+        );
         for destination in route["route"].as_array().expect("route") {
             let host = destination["destination"]["host"].as_str().expect("host");
             let (name, namespace) = parse_service_host(host);
