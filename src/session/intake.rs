@@ -41,13 +41,25 @@ impl Session {
 
     /// Notes whether `step`, the answer to the request's headers, holds them for a body
     /// still to come (a pause with no reply).
-    pub(super) fn headers_step(&mut self, step: Step) -> Step {
+    pub(super) fn headers_step(&mut self, mut step: Step) -> Step {
         self.headers_held_for_body = step.flow == Flow::Pause
             && matches!(self.upload, Upload::Arriving { .. })
             && !step
                 .commands
                 .iter()
                 .any(|command| matches!(command, Command::SendReply(_)));
+        if step.flow == Flow::Continue
+            && matches!(self.state, State::Buffering(_) | State::StrippingKv)
+        {
+            // The headers go on while the filter still holds the body (a WasmPlugin cannot
+            // hold headers): a retry of Envoy's router would send decode what Envoy buffers
+            // at that moment, the client's body before prefill's answer or the stripping.
+            // The route's own retry policy is the operator's; this overrides it per request.
+            step.commands.push(Command::SetRequestHeader {
+                name: "x-envoy-max-retries".to_owned(),
+                value: "0".to_owned(),
+            });
+        }
         step
     }
 

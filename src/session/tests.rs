@@ -232,6 +232,11 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
             Command::SetRequestHeader {
                 name: "accept-encoding".into(),
                 value: "identity".into()
+            },
+            // The headers go on before the body is rewritten: no retry may resend it.
+            Command::SetRequestHeader {
+                name: "x-envoy-max-retries".into(),
+                value: "0".into()
             }
         ]
     );
