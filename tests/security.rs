@@ -1116,6 +1116,39 @@ async fn truncation_to_the_context_is_refused_before_prefill() {
     run_cases_then_still_serves(cases, "default").await;
 }
 
+/// Without held headers (Istio's WasmPlugin) decode's stream opens with them, while the filter
+/// still holds the body: a retry of the route would send decode what Envoy buffers then, the
+/// client's own body (its kv_transfer_params too) before prefill answered. A review saw it on
+/// every retried request; the filter turns the route's retries off for such requests.
+#[tokio::test]
+async fn without_held_headers_a_retrying_route_never_sends_decode_the_clients_body() {
+    let mut cases = Vec::new();
+    for i in 0..8 {
+        cases.push(case("/v1/completions", async move {
+            let id = unique_id("half-dead");
+            let prompt = format!("half dead {i} mock:prefill_delay_ms=200");
+            let body = format!(
+                r#"{{"model":"m","prompt":"{prompt}","max_tokens":3,"kv_transfer_params":{CLIENT_KV}}}"#
+            );
+            let reply = post_json("retrying_half_dead", "/v1/completions", &id, body).await;
+            assert_envoy_alive();
+            assert!(
+                reply.status == 200 || reply.status == 503,
+                "{} {}",
+                reply.status,
+                reply.body
+            );
+            for request in decoded(&id) {
+                let text = String::from_utf8_lossy(&request.body).into_owned();
+                assert!(!has_client_marker(&text), "decode got the client's kv: {text}");
+                let parsed: Result<serde_json::Value, _> = serde_json::from_str(&text);
+                assert!(parsed.is_ok(), "decode got more than one body: {text}");
+            }
+        }));
+    }
+    run_cases_then_still_serves(cases, "default").await;
+}
+
 #[tokio::test]
 async fn a_stripped_path_never_passes_on_a_body_the_filter_cannot_read() {
     let mut cases = Vec::new();

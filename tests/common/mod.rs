@@ -48,6 +48,9 @@ pub enum DecodeRoute {
     /// To a decode whose JSON answer ends with trailers ([`TRAILERS_ANSWER`]), through a
     /// cluster that takes them (`enable_trailers`).
     Trailers,
+    /// To `decode_half_dead`, the mock decode and a closed port taken in turn, on a route that
+    /// retries connection failures (as Istio's routes do unless told otherwise).
+    RetryingHalfDead,
 }
 
 pub struct Listener {
@@ -227,6 +230,12 @@ pub const LISTENERS: &[Listener] = &[
     Listener {
         decode_route: DecodeRoute::Trailers,
         ..plain("decode_trailers", "")
+    },
+    // Headers passed at once (as under Istio) to a route that retries connection failures
+    // over a pool with a dead host (tests/security.rs).
+    Listener {
+        decode_route: DecodeRoute::RetryingHalfDead,
+        ..plain("retrying_half_dead", "")
     },
 ];
 
@@ -850,6 +859,7 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         trailers_cluster_yaml("decode_trailers", ports.trailers),
         cluster_yaml("prefill_not_http", "127.0.0.1", ports.not_http),
         cluster_yaml("decode_passed", "127.0.0.1", ports.decode),
+        half_dead_cluster_yaml("decode_half_dead", ports.decode, ports.closed),
         original_dst_cluster_yaml("prefill_original_dst", "x-envoy-original-dst-host"),
         original_dst_cluster_yaml("decode_picker", "x-gateway-destination-endpoint"),
     ]
@@ -883,6 +893,17 @@ fn cluster_yaml(name: &str, address: &str, port: u16) -> String {
             address:
               socket_address: {{ address: {address}, port_value: {port} }}
 "#
+    )
+}
+
+/// A round-robin cluster of a live port and a closed one.
+fn half_dead_cluster_yaml(name: &str, live: u16, closed: u16) -> String {
+    let cluster = cluster_yaml(name, "127.0.0.1", live);
+    cluster.replace(
+        "      - lb_endpoints:\n",
+        &format!(
+            "      - lb_endpoints:\n        - endpoint:\n            address:\n              socket_address: {{ address: 127.0.0.1, port_value: {closed} }}\n"
+        ),
     )
 }
 
@@ -979,6 +1000,14 @@ fn routes_yaml(route: DecodeRoute) -> String {
         DecodeRoute::Trailers => {
             r#"              - match: { prefix: "/" }
                 route: { cluster: decode_trailers, timeout: 0s }
+"#
+        }
+        DecodeRoute::RetryingHalfDead => {
+            r#"              - match: { prefix: "/" }
+                route:
+                  cluster: decode_half_dead
+                  timeout: 0s
+                  retry_policy: { retry_on: "connect-failure,refused-stream", num_retries: 2 }
 "#
         }
         DecodeRoute::ByPickerHeader => {
