@@ -524,18 +524,7 @@ fn without_kv_transfer_params(object: &JsonObject) -> Option<Vec<u8>> {
 /// copy of those members, the ones vLLM's parser drops included (a parser between the gateway
 /// and vLLM that keeps the first copy would read them).
 fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientError> {
-    let sets_kv = |outer: &JsonObject, key: &str| {
-        outer
-            .values(key)
-            .filter_map(|text| JsonObject::parse(text).ok())
-            .any(|inner| inner.has(KV_TRANSFER_PARAMS))
-    };
-    let nested = sets_kv(object, "vllm_xargs")
-        || object
-            .values("sampling_params")
-            .filter_map(|text| JsonObject::parse(text).ok())
-            .any(|params| params.has(KV_TRANSFER_PARAMS) || sets_kv(&params, "extra_args"));
-    if nested {
+    if set_in_vllm_args(object, &|inner| inner.has(KV_TRANSFER_PARAMS)) {
         Err(ClientError::bad_request(
             "kv_transfer_params are set by the gateway; they must not appear in vllm_xargs, \
              sampling_params or extra_args",
@@ -543,6 +532,22 @@ fn refuse_nested_kv_transfer_params(object: &JsonObject) -> Result<(), ClientErr
     } else {
         Ok(())
     }
+}
+
+/// Whether `sets` holds for an object where vLLM also reads request parameters: any copy of
+/// `vllm_xargs`, of `sampling_params` (the tokens-in API) or of its `extra_args`.
+fn set_in_vllm_args(object: &JsonObject, sets: &dyn Fn(&JsonObject) -> bool) -> bool {
+    let in_member = |outer: &JsonObject, key: &str| {
+        outer
+            .values(key)
+            .filter_map(|text| JsonObject::parse(text).ok())
+            .any(|inner| sets(&inner))
+    };
+    in_member(object, "vllm_xargs")
+        || object
+            .values("sampling_params")
+            .filter_map(|text| JsonObject::parse(text).ok())
+            .any(|params| sets(&params) || in_member(&params, "extra_args"))
 }
 
 /// `ec_transfer_params` from a client, unless the operator lets them pass: at the top level
@@ -560,19 +565,7 @@ fn refuse_client_ec_transfer_params(
             .values(EC_TRANSFER_PARAMS)
             .any(|value| value != b"null")
     };
-    let nested = |outer: &JsonObject, key: &str| {
-        outer
-            .values(key)
-            .filter_map(|text| JsonObject::parse(text).ok())
-            .any(|inner| sets_ec(&inner))
-    };
-    let sent = sets_ec(object)
-        || nested(object, "vllm_xargs")
-        || object
-            .values("sampling_params")
-            .filter_map(|text| JsonObject::parse(text).ok())
-            .any(|params| sets_ec(&params) || nested(&params, "extra_args"));
-    if sent {
+    if sets_ec(object) || set_in_vllm_args(object, &sets_ec) {
         return Err(ClientError::invalid_field(
             EC_TRANSFER_PARAMS,
             "ec_transfer_params are set by the gateway's encode stage, never by a client: \
