@@ -407,7 +407,7 @@ pub fn merge_answer(api: Api, answer: &[u8], prompt: &PromptUsage) -> Option<Vec
 /// usage marker.)
 pub fn merge_event(api: Api, event: &[u8], prompt: &PromptUsage) -> Option<Vec<u8>> {
     // The event's data line: `data: {…}`.
-    let start = find_near_start(event, b"data:")? + b"data:".len();
+    let start = data_line_start(event)? + b"data:".len();
     let end =
         memchr::memchr2(b'\n', b'\r', event.get(start..)?).map_or(event.len(), |at| start + at);
     let data = event.get(start..end)?;
@@ -455,12 +455,19 @@ fn find_usage_marker(haystack: &[u8]) -> Option<usize> {
     FINDER.find(haystack)
 }
 
-/// Where `needle`, a few bytes usually found at once (`data:` at the start of an event),
-/// first is in `haystack`.
-fn find_near_start(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack
-        .windows(needle.len())
-        .position(|window| window == needle)
+/// Where the event's first data line starts: the first line (the event's first, or one after
+/// a line break) that begins with the field name `data:`, usually the event's first. Not
+/// `data:` inside another line, a comment (`: data: …`) or another field's value, which a
+/// proxy before decode may write.
+fn data_line_start(event: &[u8]) -> Option<usize> {
+    let mut line = 0;
+    loop {
+        let rest = event.get(line..)?;
+        if rest.starts_with(b"data:") {
+            return Some(line);
+        }
+        line += memchr::memchr2(b'\n', b'\r', rest)? + 1;
+    }
 }
 
 /// The longest event the rewriter holds back while waiting for its end; a longer one goes
@@ -1138,6 +1145,39 @@ data: {{"type":"{last}","response":{{"id":"r","usage":{{"input_tokens":7,"output
 data: {"type":"response.created","response":{"id":"r","status":"in_progress","usage":null}}"#;
         assert_eq!(
             merge_event(Api::Responses, created, &prefill(Api::Responses)),
+            None
+        );
+    }
+
+    /// The data line is the one whose field name starts a line: `data:` inside a comment or
+    /// another field's value (which a proxy before decode may write) is not it.
+    #[test]
+    fn the_data_line_is_the_one_that_starts_with_its_field_name() {
+        let usage = br#"{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":4,"total_tokens":11,"prompt_tokens_details":{"cached_tokens":7}}}"#;
+        for head in [
+            &b": data: keep-alive\n"[..],
+            b"event: data:x\r\n",
+            b"id: 1data:\r",
+            b": x\n:data:\nid: 2\n",
+        ] {
+            let mut event = head.to_vec();
+            event.extend_from_slice(b"data: ");
+            event.extend_from_slice(usage);
+            let merged = merge_event(Api::ChatCompletions, &event, &prefill(Api::ChatCompletions))
+                .unwrap_or_else(|| panic!("not merged: {}", String::from_utf8_lossy(head)));
+            let (kept, data) = merged.split_at(head.len() + b"data: ".len());
+            assert_eq!(&kept[..head.len()], head);
+            let data = value(data);
+            assert_eq!(data["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+            assert_eq!(data["usage"]["total_tokens"], 11);
+        }
+        // A field named otherwise (`xdata:`) is not the data line either.
+        assert_eq!(
+            merge_event(
+                Api::ChatCompletions,
+                br#"xdata: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":4}}"#,
+                &prefill(Api::ChatCompletions)
+            ),
             None
         );
     }
