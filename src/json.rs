@@ -143,9 +143,7 @@ impl<'a> JsonObject<'a> {
                 let text = text.trim();
                 TRUE.iter().any(|word| text.eq_ignore_ascii_case(word))
             }),
-            Some(b'-' | b'0'..=b'9') => {
-                serde_json::from_slice::<f64>(value).is_ok_and(|number| number == 1.0)
-            }
+            Some(b'-' | b'0'..=b'9') => number(value).is_some_and(|number| number == 1.0),
             _ => false,
         }
     }
@@ -394,6 +392,18 @@ pub fn array_element_ranges(array: &[u8]) -> Option<Vec<Range<usize>>> {
         })
         .ok()?;
     scanner.at_end().then_some(elements)
+}
+
+/// A JSON number (from a validated document) as Python's `json` reads it, to the nearest
+/// double as its `float()` rounds: `NaN`, `Infinity` and `-Infinity` too, and a number too
+/// large for a double is infinite. `None` for any other value. (serde_json without its
+/// `float_roundtrip` feature, as this crate builds it for wasm, can land a double off: it read
+/// `1.00000000000000011`, which Python reads as 1.0, as 1.0000000000000002.)
+pub fn number(value: &[u8]) -> Option<f64> {
+    match value.first() {
+        Some(b'-' | b'0'..=b'9' | b'N' | b'I') => std::str::from_utf8(value).ok()?.parse().ok(),
+        _ => None,
+    }
 }
 
 /// What [`find_top_level_member`] found.
@@ -1389,6 +1399,28 @@ mod tests {
         );
         let many = format!("{{{}\"p\":1}}", "\"a\":0,".repeat(10_000));
         assert_eq!(splice_str(&many, edit, &[]), r#"{"a":SLOT,"p":1}"#);
+    }
+
+    #[test]
+    fn numbers_are_read_to_the_nearest_double_as_python_reads_them() {
+        // Python's float() rounds a decimal to the nearest double: 1.00000000000000011 is
+        // 1.0 to it (so pydantic's bool is true), 0.99999999999999994 is below 1.0.
+        let object = JsonObject::parse(
+            br#"{"a":1.00000000000000011,"b":0.99999999999999994,"c":1.0000000000000000000000000001,"d":100000000000000000011e-20}"#,
+        )
+        .unwrap();
+        assert!(object.is_true("a"));
+        assert!(!object.is_true("b"));
+        assert!(object.is_true("c"));
+        assert!(object.is_true("d"));
+        assert_eq!(number(b"-1.00000000000000011"), Some(-1.0));
+        assert_eq!(number(b"0.99999999999999994"), Some(0.9999999999999999));
+        assert_eq!(number(b"1e400"), Some(f64::INFINITY));
+        assert_eq!(number(b"-Infinity"), Some(f64::NEG_INFINITY));
+        assert!(number(b"NaN").is_some_and(f64::is_nan));
+        for not_a_number in [&b"\"1\""[..], b"true", b"null", b"[1]", b"inf", b"", b"+1"] {
+            assert_eq!(number(not_a_number), None, "{not_a_number:?}");
+        }
     }
 
     #[test]

@@ -1103,6 +1103,16 @@ async fn truncation_to_the_context_is_refused_before_prefill() {
             "/v1/responses",
             r#"{"input":"hi","max_output_tokens":500,"truncation":"auto"}"#,
         ),
+        // -1 to Python's json (the nearest double), so to vLLM; the wasm build's JSON
+        // reader once rounded it to -1.0000000000000002 and served it.
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","max_tokens":500,"truncate_prompt_tokens":-1.00000000000000011}"#,
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":500,"truncate_prompt_tokens":-1.00000000000000011}"#,
+        ),
     ] {
         cases.push(case(path, async move {
             let id = unique_id("truncation");

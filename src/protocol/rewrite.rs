@@ -5,7 +5,7 @@
 //! (prefill's `kv_transfer_params` go in as the first member), so only the head is written.
 
 use crate::api::Api;
-use crate::json::{array_elements, Edit, JsonErrorKind, JsonObject, Splice};
+use crate::json::{array_elements, number, Edit, JsonErrorKind, JsonObject, Splice};
 
 use super::errors::ClientError;
 use super::limits;
@@ -800,9 +800,7 @@ fn reads_false(value: &[u8]) -> bool {
             const FALSE: [&str; 6] = ["false", "0", "no", "off", "f", "n"];
             FALSE.iter().any(|word| text.eq_ignore_ascii_case(word))
         }),
-        Some(b'-' | b'0'..=b'9') => {
-            serde_json::from_slice::<f64>(value).is_ok_and(|number| number == 0.0)
-        }
+        Some(b'-' | b'0'..=b'9') => number(value).is_some_and(|number| number == 0.0),
         _ => value == b"false",
     }
 }
@@ -814,7 +812,7 @@ fn streamable_prompt_logprobs(object: &JsonObject) -> bool {
         .last_value("prompt_logprobs")
         .is_some_and(|value| match value {
             b"false" => true,
-            _ => serde_json::from_slice::<f64>(value).is_ok_and(|number| number == 0.0),
+            _ => number(value).is_some_and(|number| number == 0.0),
         })
 }
 
@@ -894,7 +892,7 @@ fn lax_number(value: &[u8]) -> Option<f64> {
             let digits: String = text.trim().chars().filter(|&c| c != '_').collect();
             digits.parse::<f64>().ok()
         }
-        _ => serde_json::from_slice::<f64>(value).ok(),
+        _ => number(value),
     }
 }
 
@@ -931,7 +929,7 @@ fn batches_prompts(object: &JsonObject) -> bool {
 /// pydantic reads can make the check lenient.
 fn lax_count(value: &[u8]) -> usize {
     const UNREADABLE: usize = usize::MAX;
-    let number = match value {
+    let read = match value {
         b"null" | b"true" | b"false" => return 1,
         [b'"', ..] => serde_json::from_slice::<String>(value)
             .ok()
@@ -939,9 +937,9 @@ fn lax_count(value: &[u8]) -> usize {
                 let digits: String = text.trim().chars().filter(|&c| c != '_').collect();
                 digits.parse::<f64>().ok()
             }),
-        _ => serde_json::from_slice::<f64>(value).ok(),
+        _ => number(value),
     };
-    match number {
+    match read {
         // `as` saturates: an absurd count stays a huge one.
         Some(number) if number.is_finite() => (number.ceil() as usize).max(1),
         _ => UNREADABLE,
@@ -1318,6 +1316,47 @@ mod tests {
         ] {
             assert!(!truthy(value.as_bytes()), "{value}");
         }
+    }
+
+    #[test]
+    fn numbers_near_a_whole_one_are_read_as_python_reads_them() {
+        // Python's float() gives the nearest double: each of these is exactly -1.0 or 1.0 to
+        // vLLM, whose pydantic models then take them as the int -1 or the bool true. A reader
+        // that rounds otherwise (serde_json without its float_roundtrip feature, as in the
+        // wasm build) read 1.0000000000000002 and let them through.
+        for (api, body, param) in [
+            (
+                Api::Completions,
+                r#"{"prompt":"a b","max_tokens":1000,"truncate_prompt_tokens":-1.00000000000000011}"#,
+                Some("truncate_prompt_tokens"),
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_tokens":1000,"truncate_prompt_tokens":-1.00000000000000011}"#,
+                Some("truncate_prompt_tokens"),
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"echo":1.00000000000000011}"#,
+                None,
+            ),
+            (
+                Api::Completions,
+                r#"{"prompt":"a b","use_beam_search":1.00000000000000011}"#,
+                None,
+            ),
+        ] {
+            let error = prepare(api, body.as_bytes()).unwrap_err();
+            assert_eq!(error.status, 400, "{body}");
+            assert_eq!(error.param, param, "{body}");
+        }
+        // A stream (1.0 to pydantic) carries no prompt logprobs to take from prefill.
+        let body = br#"{"prompt":"a b","stream":1.00000000000000011,"prompt_logprobs":0}"#;
+        let prepared = prepare(Api::Completions, body).unwrap();
+        assert!(!prepared.decode.prompt_logprobs_from_prefill);
+        // An echo of one token (1.0 to pydantic) is prefill's answer alone.
+        let body = br#"{"prompt":"a b","echo":true,"logprobs":1,"max_tokens":1.00000000000000011}"#;
+        assert!(prepare(Api::Completions, body).unwrap().answered_by_prefill);
     }
 
     #[test]
