@@ -104,9 +104,9 @@ const CAPPED_SAMPLING_PARAMS: &[(&str, Declared)] = &[
 /// would be served its own valid value, compute the whole prompt and hold its KV, and only
 /// decode would refuse the client's: such a request is refused before prefill. Only values
 /// pydantic refuses in any reading are caught (the wrong kind of JSON value, `null` where
-/// the field is not optional, a number with a fractional part for an integer, a string
-/// without a digit for an integer or outside pydantic's words for a bool); anything else is
-/// left for vLLM to judge.
+/// the field is not optional, a number with a fractional part for an integer, `NaN` or an
+/// infinity, a string without a digit for an integer or outside pydantic's words for a
+/// bool); anything else is left for vLLM to judge.
 fn check_capped_fields_readable(
     api: Api,
     object: &JsonObject,
@@ -155,10 +155,13 @@ fn check_readable(
 }
 
 /// A value no reading of pydantic's lax mode takes as an int: an object, an array, a string
-/// with no digit in it, or a number written with a fraction or exponent whose value has a
-/// fractional part or is beyond any float. (An integer literal of any length is an int to
-/// Python.)
+/// with no digit in it, `NaN` or an infinity, or a number written with a fraction or exponent
+/// whose value has a fractional part or is beyond any float. (An integer literal of any
+/// length is an int to Python.)
 fn surely_not_an_int(value: &[u8]) -> bool {
+    if is_nan_or_infinite(value) {
+        return true;
+    }
     let integer_literal = !value.iter().any(|byte| matches!(byte, b'.' | b'e' | b'E'));
     match value.first() {
         Some(b'{' | b'[') => true,
@@ -174,12 +177,15 @@ fn surely_not_an_int(value: &[u8]) -> bool {
 }
 
 /// A value pydantic's lax mode never takes as a bool: an object, an array, a number other
-/// than 0 and 1, or a string outside the words it reads (`true`, `yes`, `on`, `1`, ... in
-/// any case). `null` is read as unset.
+/// than 0 and 1 (`NaN` and the infinities too), or a string outside the words it reads
+/// (`true`, `yes`, `on`, `1`, ... in any case). `null` is read as unset.
 fn surely_not_a_bool(value: &[u8]) -> bool {
     const WORDS: [&str; 12] = [
         "true", "false", "yes", "no", "on", "off", "1", "0", "t", "f", "y", "n",
     ];
+    if is_nan_or_infinite(value) {
+        return true;
+    }
     match value.first() {
         Some(b'{' | b'[') => true,
         Some(b'"') => serde_json::from_slice::<String>(value)
@@ -190,6 +196,12 @@ fn surely_not_a_bool(value: &[u8]) -> bool {
             .is_some_and(|number| number != 0.0 && number != 1.0),
         _ => false,
     }
+}
+
+/// `NaN`, `Infinity` or `-Infinity`: floats to Python's json (so to vLLM), which the
+/// validated document can hold nowhere but as a whole value.
+fn is_nan_or_infinite(value: &[u8]) -> bool {
+    matches!(value, b"NaN" | b"Infinity" | b"-Infinity")
 }
 
 /// A client's value as an error message shows it: its first 64 characters.
@@ -753,6 +765,30 @@ mod tests {
                 Api::Generate,
                 r#"{"token_ids":[1],"stream":"no way"}"#,
                 "stream",
+            ),
+            // Python's json reads NaN and the infinities as floats, which pydantic takes
+            // for neither an int nor a bool.
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":NaN}"#,
+                "max_tokens",
+            ),
+            (Api::Completions, r#"{"prompt":"hi","n":-Infinity}"#, "n"),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"min_tokens":Infinity}"#,
+                "min_tokens",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"stream":Infinity}"#,
+                "stream",
+            ),
+            (Api::Responses, r#"{"input":"hi","store":NaN}"#, "store"),
+            (
+                Api::Generate,
+                r#"{"token_ids":[1],"sampling_params":{"max_tokens":-Infinity}}"#,
+                "max_tokens",
             ),
         ];
         for (api, body, field) in cases {
