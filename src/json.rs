@@ -56,11 +56,16 @@ pub struct JsonObject<'a> {
     open_brace: usize,
     close_brace: usize,
     members: Vec<Member<'a>>,
+    longest_integer: usize,
 }
 
 /// Validates `bytes` as a JSON document whose top level is an object and indexes its members.
 fn scan_object(bytes: &[u8]) -> Result<JsonObject<'_>, JsonError> {
-    let mut scanner = Scanner { bytes, pos: 0 };
+    let mut scanner = Scanner {
+        bytes,
+        pos: 0,
+        longest_integer: 0,
+    };
     // Enough for an answer's or a usage object's members without growing.
     let mut members = Vec::with_capacity(12);
     let open_brace = scanner.container(b'{', "expected a JSON object", |scanner| {
@@ -83,6 +88,7 @@ fn scan_object(bytes: &[u8]) -> Result<JsonObject<'_>, JsonError> {
         open_brace,
         close_brace,
         members,
+        longest_integer: scanner.longest_integer,
     })
 }
 
@@ -99,6 +105,12 @@ impl<'a> JsonObject<'a> {
 
     pub fn members(&self) -> &[Member<'a>] {
         &self.members
+    }
+
+    /// The digits of the longest integer literal (no fraction, no exponent) anywhere in the
+    /// document, at any depth; 0 when it has none.
+    pub fn longest_integer(&self) -> usize {
+        self.longest_integer
     }
 
     pub fn has(&self, key: &str) -> bool {
@@ -380,6 +392,7 @@ pub fn array_element_ranges(array: &[u8]) -> Option<Vec<Range<usize>>> {
     let mut scanner = Scanner {
         bytes: array,
         pos: 0,
+        longest_integer: 0,
     };
     let mut elements = Vec::new();
     scanner
@@ -526,6 +539,8 @@ fn span(bytes: &[u8], range: Range<usize>) -> &[u8] {
 struct Scanner<'a> {
     bytes: &'a [u8],
     pos: usize,
+    /// The digits of the longest integer literal taken so far.
+    longest_integer: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -991,20 +1006,24 @@ impl<'a> Scanner<'a> {
                 return self.literal(b"Infinity");
             }
         }
-        match self.peek() {
-            Some(b'0') => self.pos += 1,
-            Some(b'1'..=b'9') => {
-                self.digits();
+        let integer_digits = match self.peek() {
+            Some(b'0') => {
+                self.pos += 1;
+                1
             }
+            Some(b'1'..=b'9') => self.digits(),
             _ => return Err(self.error("invalid number")),
-        }
+        };
+        let mut integer = true;
         if self.peek() == Some(b'.') {
+            integer = false;
             self.pos += 1;
             if self.digits() == 0 {
                 return Err(self.error("invalid number"));
             }
         }
         if let Some(b'e' | b'E') = self.peek() {
+            integer = false;
             self.pos += 1;
             if let Some(b'+' | b'-') = self.peek() {
                 self.pos += 1;
@@ -1012,6 +1031,9 @@ impl<'a> Scanner<'a> {
             if self.digits() == 0 {
                 return Err(self.error("invalid number"));
             }
+        }
+        if integer {
+            self.longest_integer = self.longest_integer.max(integer_digits);
         }
         Ok(())
     }
@@ -1399,6 +1421,17 @@ mod tests {
         );
         let many = format!("{{{}\"p\":1}}", "\"a\":0,".repeat(10_000));
         assert_eq!(splice_str(&many, edit, &[]), r#"{"a":SLOT,"p":1}"#);
+    }
+
+    #[test]
+    fn the_longest_integer_literal_is_counted_at_any_depth() {
+        let text = br#"{"a":[12,-345,6.78901,1e99999,"123456"],"b":{"c":[[0]]}}"#;
+        assert_eq!(JsonObject::parse(text).unwrap().longest_integer(), 3);
+        assert_eq!(JsonObject::parse(b"{}").unwrap().longest_integer(), 0);
+        assert_eq!(
+            JsonObject::parse(br#"{"a":0}"#).unwrap().longest_integer(),
+            1
+        );
     }
 
     #[test]

@@ -156,8 +156,8 @@ fn check_readable(
 
 /// A value no reading of pydantic's lax mode takes as an int: an object, an array, a string
 /// with no digit in it, `NaN` or an infinity, or a number written with a fraction or exponent
-/// whose value has a fractional part or is beyond any float. (An integer literal of any
-/// length is an int to Python.)
+/// whose value has a fractional part or is beyond any float. (An integer literal is an int
+/// to Python; one longer than Python reads has its whole body refused on parsing.)
 fn surely_not_an_int(value: &[u8]) -> bool {
     if is_nan_or_infinite(value) {
         return true;

@@ -476,15 +476,30 @@ pub fn prepare_with(
     })
 }
 
-/// The client's body as a JSON object, or the 400 that says why it is not one.
+/// The most digits Python's `int()`, and so its `json` module, reads in an integer
+/// (`sys.int_info.default_max_str_digits`, Python 3.10.7 and later).
+const PYTHON_INT_MAX_DIGITS: usize = 4300;
+
+/// The client's body as a JSON object, or the 400 that says why it is not one. A body with
+/// an integer longer than Python reads is refused as vLLM refuses it (FastAPI's 400): where
+/// the integer is in a member prefill's copy overwrites or drops, prefill would be served and
+/// compute the prompt for a request decode then refuses.
 fn parse_body(text: &[u8]) -> Result<JsonObject<'_>, ClientError> {
-    JsonObject::parse(text).map_err(|e| {
+    let object = JsonObject::parse(text).map_err(|e| {
         let what = match e.kind {
             JsonErrorKind::InvalidUtf8 => "is not valid UTF-8",
             JsonErrorKind::Syntax(_) => "is not a JSON object",
         };
         ClientError::bad_request(format!("request body {what}: {e}"))
-    })
+    })?;
+    if object.longest_integer() > PYTHON_INT_MAX_DIGITS {
+        return Err(ClientError::bad_request(format!(
+            "request body holds an integer of {} digits, which vLLM's JSON parser refuses: \
+             at most {PYTHON_INT_MAX_DIGITS} digits",
+            object.longest_integer()
+        )));
+    }
+    Ok(object)
 }
 
 /// A request for a generation API the filter does not orchestrate, without any client
@@ -1315,6 +1330,52 @@ mod tests {
             "false", "null", "0", "-0", "0.0", "0e5", "\"\"", "[]", "[ ]", "{}", "{\n}",
         ] {
             assert!(!truthy(value.as_bytes()), "{value}");
+        }
+    }
+
+    #[test]
+    fn an_integer_longer_than_python_reads_is_refused_before_prefill() {
+        // Python's json refuses an integer literal of more than 4300 digits (its
+        // int_max_str_digits), and vLLM answers 400 to the whole body. Prefill's copy has
+        // none where it overwrites or removes the field, and would be served.
+        let long = "1".repeat(4301);
+        for (api, body) in [
+            (
+                Api::Completions,
+                format!(r#"{{"prompt":"a","max_tokens":{long}}}"#),
+            ),
+            (Api::Completions, format!(r#"{{"prompt":"a","n":-{long}}}"#)),
+            (
+                Api::ChatCompletions,
+                format!(r#"{{"messages":[],"stream":true,"stream_options":{{"x":[{long}]}}}}"#),
+            ),
+            (
+                Api::Generate,
+                format!(r#"{{"token_ids":[1],"sampling_params":{{"max_tokens":{long}}}}}"#),
+            ),
+        ] {
+            let error = prepare(api, body.as_bytes()).unwrap_err();
+            assert_eq!(error.status, 400);
+            assert!(error.message.contains("4300 digits"), "{}", error.message);
+            assert_eq!(
+                strip_kv_transfer_params(body.as_bytes(), ClientEcTransferParams::Refuse)
+                    .unwrap_err()
+                    .status,
+                400
+            );
+        }
+        // As long as Python reads: 4300 digits, or a float of any length.
+        let longest = "9".repeat(4300);
+        for body in [
+            format!(r#"{{"prompt":"a","max_tokens":{longest}}}"#),
+            format!(r#"{{"prompt":"a","x":-{longest}}}"#),
+            format!(r#"{{"prompt":"a","x":{long}.0,"y":{long}e0,"z":0.{long}}}"#),
+            format!(r#"{{"prompt":"a","x":"{long}"}}"#),
+        ] {
+            assert!(
+                prepare(Api::Completions, body.as_bytes()).is_ok(),
+                "{body:.80}"
+            );
         }
     }
 
