@@ -836,9 +836,26 @@ fn check_shapes(value: &serde_json::Value) -> Result<(), ConfigError> {
                 None => return wrong("a whole number, 0 or more"),
             },
             (Shape::Count(_), _) => return wrong("a whole number"),
-            (Shape::TextList, Value::Array(items)) if items.iter().all(Value::is_string) => {}
+            (Shape::TextList, Value::Array(items)) => {
+                let not_text = items.iter().enumerate().find(|(_, item)| !item.is_string());
+                if let Some((index, item)) = not_text {
+                    return Err(ConfigError(format!(
+                        "{key} must be a list of texts, not a list whose item {} is {}",
+                        index.saturating_add(1),
+                        described(item)
+                    )));
+                }
+            }
             (Shape::TextList, _) => return wrong("a list of texts"),
-            (Shape::TextMap, Value::Object(map)) if map.values().all(Value::is_string) => {}
+            (Shape::TextMap, Value::Object(map)) => {
+                if let Some((name, member)) = map.iter().find(|(_, member)| !member.is_string()) {
+                    return Err(ConfigError(format!(
+                        "{key} must be an object whose values are texts, not an object whose \
+                         {name:?} is {}",
+                        described(member)
+                    )));
+                }
+            }
             (Shape::TextMap, _) => return wrong("an object whose values are texts"),
             (Shape::Choice(words), Value::String(word)) if words.contains(&word.as_str()) => {}
             (Shape::Choice(words), _) => return wrong(&format!("one of {}", words.join(", "))),
@@ -1340,6 +1357,20 @@ mod tests {
                 "needs prefill_host_cluster",
             ),
             ("not json", "not valid JSON"),
+            // A list or an object whose container is right says which member is wrong.
+            (
+                r#"{"paths":["/v1/completions",5]}"#,
+                "paths must be a list of texts, not a list whose item 2 is 5",
+            ),
+            (
+                r#"{"model_prefill_clusters":{"llama":{"cluster":"p"}}}"#,
+                "model_prefill_clusters must be an object whose values are texts, not an \
+                 object whose \"llama\" is an object",
+            ),
+            (
+                r#"{"model_decode_clusters":["m"]}"#,
+                "model_decode_clusters must be an object whose values are texts, not a list",
+            ),
         ];
         for (input, expected) in cases {
             let err = Config::from_json(input.as_bytes()).unwrap_err().to_string();
