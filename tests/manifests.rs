@@ -1160,18 +1160,56 @@ fn every_envoy_config_passes_envoy_validate() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// Validation really loads the filter: a configuration the filter rejects fails it.
+/// Validation really loads the filter: a configuration the filter rejects fails it, with the
+/// line the README's troubleshooting names, saying which key is wrong.
 #[test]
 fn envoy_validate_runs_the_filters_configuration() {
     let wasm = wasm_path();
     let dir = scratch_dir("validate-bad");
     let text = read("envoy/envoy.yaml");
-    let broken = text.replace("\"prefill_timeout_ms\"", "\"prefill_timeout\"");
-    assert_ne!(broken, text, "envoy.yaml sets prefill_timeout_ms");
-    let target = dir.join("envoy-bad-plugin-config.yaml");
-    std::fs::write(&target, localize(&broken, &wasm, &dir)).expect("write config");
-    let output = envoy_validate(&target).expect_err("an unknown plugin key must fail validation");
-    assert!(output.contains("pd-filter"), "{output}");
+    let shipped = "\"decode_cluster\": \"decode-release\"";
+    assert!(text.contains(shipped), "envoy.yaml sets decode_cluster");
+    let cases = [
+        (
+            text.replace("\"prefill_timeout_ms\"", "\"prefill_timeout\""),
+            "unknown key \"prefill_timeout\"",
+        ),
+        (
+            text.replace(
+                shipped,
+                "\"decode_cluster\": \"decode-release\", \"truncate_to_context\": \"auto\"",
+            ),
+            "truncate_to_context must be one of refuse, serve",
+        ),
+        (
+            text.replace(
+                shipped,
+                "\"decode_cluster\": \"decode-release\", \"client_ec_transfer_params\": true",
+            ),
+            "client_ec_transfer_params must be one of refuse, pass",
+        ),
+        (
+            text.replace(
+                shipped,
+                "\"decode_cluster\": \"decode-release\", \"prefill_cluster\": \"other\"",
+            ),
+            "\"prefill_cluster\" is given twice",
+        ),
+    ];
+    for (index, (broken, said)) in cases.iter().enumerate() {
+        assert_ne!(broken, &text, "{said}: the edit applies to envoy.yaml");
+        let target = dir.join(format!("envoy-bad-plugin-config-{index}.yaml"));
+        std::fs::write(&target, localize(broken, &wasm, &dir)).expect("write config");
+        let output = envoy_validate(&target).expect_err("a refused plugin configuration fails");
+        assert!(
+            output.contains(&format!("invalid pd-filter configuration: {said}")),
+            "{said}: {output}"
+        );
+        assert!(
+            output.contains("Unable to create Wasm plugin pd-filter"),
+            "{output}"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
