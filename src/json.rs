@@ -57,6 +57,7 @@ pub struct JsonObject<'a> {
     close_brace: usize,
     members: Vec<Member<'a>>,
     longest_integer: usize,
+    deepest: usize,
 }
 
 /// Validates `bytes` as a JSON document whose top level is an object and indexes its members.
@@ -65,6 +66,7 @@ fn scan_object(bytes: &[u8]) -> Result<JsonObject<'_>, JsonError> {
         bytes,
         pos: 0,
         longest_integer: 0,
+        deepest: 0,
     };
     // Enough for an answer's or a usage object's members without growing.
     let mut members = Vec::with_capacity(12);
@@ -89,6 +91,7 @@ fn scan_object(bytes: &[u8]) -> Result<JsonObject<'_>, JsonError> {
         close_brace,
         members,
         longest_integer: scanner.longest_integer,
+        deepest: scanner.deepest + 1,
     })
 }
 
@@ -111,6 +114,12 @@ impl<'a> JsonObject<'a> {
     /// document, at any depth; 0 when it has none.
     pub fn longest_integer(&self) -> usize {
         self.longest_integer
+    }
+
+    /// How many objects and arrays deep the document goes, its own top-level object
+    /// counted: 1 for `{}`, 2 for `{"a":[]}`.
+    pub fn depth(&self) -> usize {
+        self.deepest
     }
 
     pub fn has(&self, key: &str) -> bool {
@@ -393,6 +402,7 @@ pub fn array_element_ranges(array: &[u8]) -> Option<Vec<Range<usize>>> {
         bytes: array,
         pos: 0,
         longest_integer: 0,
+        deepest: 0,
     };
     let mut elements = Vec::new();
     scanner
@@ -541,6 +551,8 @@ struct Scanner<'a> {
     pos: usize,
     /// The digits of the longest integer literal taken so far.
     longest_integer: usize,
+    /// The most containers open inside one value so far, an empty one counted.
+    deepest: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -838,6 +850,7 @@ impl<'a> Scanner<'a> {
             match self.peek() {
                 Some(b'{') => {
                     self.pos += 1;
+                    self.deepest = self.deepest.max(open.depth + 1);
                     self.skip_whitespace();
                     if self.peek() == Some(b'}') {
                         self.pos += 1;
@@ -849,6 +862,7 @@ impl<'a> Scanner<'a> {
                 }
                 Some(b'[') => {
                     self.pos += 1;
+                    self.deepest = self.deepest.max(open.depth + 1);
                     self.skip_whitespace();
                     if self.peek() == Some(b']') {
                         self.pos += 1;
@@ -1421,6 +1435,17 @@ mod tests {
         );
         let many = format!("{{{}\"p\":1}}", "\"a\":0,".repeat(10_000));
         assert_eq!(splice_str(&many, edit, &[]), r#"{"a":SLOT,"p":1}"#);
+    }
+
+    #[test]
+    fn the_depth_counts_every_container_open_at_once() {
+        let depth = |text: &[u8]| JsonObject::parse(text).unwrap().depth();
+        assert_eq!(depth(b"{}"), 1);
+        assert_eq!(depth(br#"{"a":1,"b":"[{"}"#), 1);
+        assert_eq!(depth(br#"{"a":[]}"#), 2);
+        assert_eq!(depth(br#"{"a":[{}],"b":{"c":[[1],[2,[3]]]}}"#), 5);
+        let deep = format!(r#"{{"a":{}{}}}"#, "[".repeat(200), "]".repeat(200));
+        assert_eq!(depth(deep.as_bytes()), 201);
     }
 
     #[test]
