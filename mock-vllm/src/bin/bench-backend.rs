@@ -19,7 +19,9 @@
 //! usage chunk counts it as cached when prefill's KV came with the request (vLLM counts
 //! pulled KV as a prefix-cache hit), so that the filter's merge has a count to change.
 //! With `BENCH_STREAM_BY_EVENT` set, a stream goes out one event per write, as a generating
-//! vLLM sends it, so that a filter sees one chunk per event.
+//! vLLM sends it. A request with the header `x-bench-event-gap-ms: N` gets its stream one
+//! event per write, N milliseconds apart, as tokens come from a generating vLLM: only then
+//! does a proxy slower than the backend see each event in a chunk of its own.
 //! `GET /stats` counts what it saw, so the bench can check that decode received the KV
 //! parameters prefill issued; the filter's KV releases are counted apart. Other `GET`s (a router's health checks) get `{}` and are not
 //! counted. Several addresses serve the same handler from the same threads: a router that
@@ -27,6 +29,7 @@
 //! validation beyond that: it must not be the bottleneck.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -175,6 +178,9 @@ struct OnePiece {
     /// Send each event (each `\n\n`-ended part) in its own write, as a generating vLLM does.
     by_event: bool,
     flush_first: bool,
+    /// The wait before the next event, when events go out apart in time.
+    gap: Option<std::time::Duration>,
+    waiting: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Body for OnePiece {
@@ -189,6 +195,16 @@ impl Body for OnePiece {
             return Poll::Ready(self.data.take().map(|data| Ok(Frame::data(data))));
         }
         // A pending turn between events makes hyper write out the one before.
+        if let Some(gap) = self.gap.filter(|_| self.flush_first) {
+            let waiting = self
+                .waiting
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep(gap)));
+            if waiting.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            self.waiting = None;
+            self.flush_first = false;
+        }
         if std::mem::take(&mut self.flush_first) {
             cx.waker().wake_by_ref();
             return Poll::Pending;
@@ -227,16 +243,20 @@ fn json(status: StatusCode, body: impl Into<Bytes>) -> Response<OnePiece> {
         sized: true,
         by_event: false,
         flush_first: false,
+        gap: None,
+        waiting: None,
     };
     answer(status, "application/json", body)
 }
 
-fn events(body: impl Into<Bytes>) -> Response<OnePiece> {
+fn events(body: impl Into<Bytes>, gap: Option<std::time::Duration>) -> Response<OnePiece> {
     let body = OnePiece {
         data: Some(body.into()),
         sized: false,
-        by_event: std::env::var_os("BENCH_STREAM_BY_EVENT").is_some(),
+        by_event: gap.is_some() || std::env::var_os("BENCH_STREAM_BY_EVENT").is_some(),
         flush_first: false,
+        gap,
+        waiting: None,
     };
     answer(StatusCode::OK, "text/event-stream", body)
 }
@@ -255,6 +275,11 @@ async fn handle(request: Request<Incoming>) -> Result<Response<OnePiece>, Infall
     let is_get = request.method() == Method::GET;
     let is_stats = is_get && request.uri().path() == "/stats";
     let is_release = request.headers().contains_key("x-pd-kv-release");
+    let event_gap = request
+        .headers()
+        .get("x-bench-event-gap-ms")
+        .and_then(|ms| ms.to_str().ok()?.parse().ok())
+        .map(std::time::Duration::from_millis);
     // Read the whole body before answering, as vLLM does.
     let body = match request.into_body().collect().await {
         Ok(collected) => collected.to_bytes(),
@@ -291,11 +316,10 @@ async fn handle(request: Request<Incoming>) -> Result<Response<OnePiece>, Infall
         let prompt_tokens = PROMPT_TOKENS;
         let cached_tokens = if with_kv { prompt_tokens } else { 0 };
         let include_usage = contains_quoted(&body, INCLUDE_USAGE);
-        return Ok(events(stream_answer(
-            prompt_tokens,
-            cached_tokens,
-            include_usage,
-        )));
+        return Ok(events(
+            stream_answer(prompt_tokens, cached_tokens, include_usage),
+            event_gap,
+        ));
     }
     Ok(json(StatusCode::OK, DECODE_ANSWER))
 }
