@@ -48,6 +48,52 @@ pub struct Member<'a> {
     pub value: Range<usize>,
 }
 
+// How many times a member's key was compared with another key (by the lookups and the
+// splice plans here): the tests bound the work a document can cause with it.
+#[cfg(test)]
+thread_local! {
+    static KEY_COMPARISONS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The key comparisons made on this thread so far (tests only).
+#[cfg(test)]
+pub(crate) fn key_comparisons() -> usize {
+    KEY_COMPARISONS.with(std::cell::Cell::get)
+}
+
+/// Whether a member's key is `key`.
+fn same_key(member: &str, key: &str) -> bool {
+    #[cfg(test)]
+    KEY_COMPARISONS.with(|count| count.set(count.get() + 1));
+    member == key
+}
+
+/// Two keys in order, for sorting and searching them.
+fn compare_keys(a: &str, b: &str) -> std::cmp::Ordering {
+    #[cfg(test)]
+    KEY_COMPARISONS.with(|count| count.set(count.get() + 1));
+    a.cmp(b)
+}
+
+/// Keys of an object, sorted once so that each look is a binary search: a test for each of
+/// an object's many members costs `n log n` key comparisons, not `n * n`.
+#[derive(Debug)]
+pub struct KeySet<'a> {
+    sorted: Vec<&'a str>,
+}
+
+impl KeySet<'_> {
+    pub fn contains(&self, key: &str) -> bool {
+        self.sorted
+            .binary_search_by(|probe| compare_keys(probe, key))
+            .is_ok()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sorted.is_empty()
+    }
+}
+
 /// A validated JSON document whose top level is an object, seen as a list of members whose
 /// values are byte ranges of the original text.
 #[derive(Debug)]
@@ -123,7 +169,7 @@ impl<'a> JsonObject<'a> {
     }
 
     pub fn has(&self, key: &str) -> bool {
-        self.members.iter().any(|m| m.key == key)
+        self.members.iter().any(|m| same_key(&m.key, key))
     }
 
     /// The value text of every member named `key`, in order: the ones JSON parsers drop
@@ -131,7 +177,7 @@ impl<'a> JsonObject<'a> {
     pub fn values<'k>(&'k self, key: &'k str) -> impl Iterator<Item = &'a [u8]> + 'k {
         self.members
             .iter()
-            .filter(move |m| m.key == key)
+            .filter(move |m| same_key(&m.key, key))
             .filter_map(|m| self.text.get(m.value.clone()))
     }
 
@@ -140,8 +186,43 @@ impl<'a> JsonObject<'a> {
         self.members
             .iter()
             .rev()
-            .find(|m| m.key == key)
+            .find(|m| same_key(&m.key, key))
             .and_then(|m| self.text.get(m.value.clone()))
+    }
+
+    /// The key of the member at `index` (empty past the last one).
+    fn key_at(&self, index: usize) -> &str {
+        self.members.get(index).map_or("", |member| &member.key)
+    }
+
+    /// `indices` of members sorted by key, members of one key in the order given.
+    fn sort_by_key(&self, indices: &mut [usize]) {
+        // Stable: copies of a key keep their order.
+        indices.sort_by(|&a, &b| compare_keys(self.key_at(a), self.key_at(b)));
+    }
+
+    /// The keys whose last member (the one JSON parsers keep) has a value `matches` holds
+    /// for; found with one sort of the members, however many there are.
+    pub fn keys_whose_value(&self, matches: impl Fn(&[u8]) -> bool) -> KeySet<'_> {
+        let mut indices: Vec<usize> = (0..self.members.len()).collect();
+        self.sort_by_key(&mut indices);
+        let mut sorted = Vec::new();
+        let mut rest = indices.iter().peekable();
+        while let Some(&index) = rest.next() {
+            let key = self.key_at(index);
+            // The last of its key: the next one, if any, has another.
+            let last = rest
+                .peek()
+                .is_none_or(|&&next| !same_key(self.key_at(next), key));
+            let value = self
+                .members
+                .get(index)
+                .and_then(|member| self.text.get(member.value.clone()));
+            if last && value.is_some_and(&matches) {
+                sorted.push(key);
+            }
+        }
+        KeySet { sorted }
     }
 
     /// Whether the last member named `key` is there with a value other than `null`: what a
@@ -190,18 +271,24 @@ impl<'a> JsonObject<'a> {
         append: &[(&'static str, Edit)],
     ) -> Splice {
         let edits: Vec<Edit> = self.members.iter().map(|m| edit(&m.key)).collect();
+        // An edited member is superseded by a later edited one of the same key: sorted by
+        // key (copies in order), each edited member but the last of its key. A sort, so
+        // that many edited keys cost `n log n` comparisons, not `n * n`.
+        let mut edited: Vec<usize> = edits
+            .iter()
+            .enumerate()
+            .filter(|(_, edit)| !matches!(edit, Edit::Keep))
+            .map(|(index, _)| index)
+            .collect();
+        self.sort_by_key(&mut edited);
         let mut superseded = vec![false; self.members.len()];
-        let mut seen: Vec<&str> = Vec::with_capacity(self.members.len());
-        for (index, member) in self.members.iter().enumerate().rev() {
-            if matches!(edits.get(index), Some(Edit::Keep) | None) {
-                continue;
-            }
-            if seen.contains(&member.key.as_ref()) {
-                if let Some(flag) = superseded.get_mut(index) {
-                    *flag = true;
+        for pair in edited.windows(2) {
+            if let [earlier, later] = *pair {
+                if same_key(self.key_at(earlier), self.key_at(later)) {
+                    if let Some(flag) = superseded.get_mut(earlier) {
+                        *flag = true;
+                    }
                 }
-            } else {
-                seen.push(member.key.as_ref());
             }
         }
 
@@ -268,7 +355,10 @@ impl<'a> JsonObject<'a> {
     pub fn splice_member(&self, key: &str, edit: Edit) -> Splice {
         // The usual case, one such member given a new value: its value's bytes replaced,
         // without the general plan's bookkeeping of removals and repeats.
-        let mut named = self.members.iter().filter(|member| member.key == key);
+        let mut named = self
+            .members
+            .iter()
+            .filter(|member| same_key(&member.key, key));
         if let (Some(member), None, Edit::Replace(_) | Edit::Slot) =
             (named.next(), named.next(), edit)
         {
@@ -1063,7 +1153,7 @@ impl<'a> Scanner<'a> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn valid(text: &[u8]) -> bool {
@@ -1435,6 +1525,43 @@ mod tests {
         );
         let many = format!("{{{}\"p\":1}}", "\"a\":0,".repeat(10_000));
         assert_eq!(splice_str(&many, edit, &[]), r#"{"a":SLOT,"p":1}"#);
+    }
+
+    /// An object of `n` distinct keys, each `null`: `{"k0":null,"k1":null,…}`.
+    pub(crate) fn null_members(n: usize) -> String {
+        let members: Vec<String> = (0..n).map(|i| format!("\"k{i}\":null")).collect();
+        format!("{{{}}}", members.join(","))
+    }
+
+    /// The most key comparisons sorting `n` keys, and a pass over them, may take: about
+    /// `2 n log2 n`. Comparing each with each is `n * n / 2`.
+    pub(crate) fn n_log_n_comparisons(n: usize) -> usize {
+        2 * n * (usize::BITS - n.leading_zeros()) as usize + n
+    }
+
+    #[test]
+    fn planning_a_splice_of_many_edited_keys_takes_about_n_log_n_comparisons() {
+        // Every member edited, each key once (as usage's null details are removed): the
+        // plan's look for a later copy of each key must not compare it with every other.
+        let n = 10_000;
+        let text = null_members(n);
+        let object = JsonObject::parse(text.as_bytes()).unwrap();
+        let before = key_comparisons();
+        let splice = object.splice(|_| Edit::Remove, &[("z", Edit::Replace(b"1"))]);
+        let compared = key_comparisons() - before;
+        assert_eq!(splice.write(text.as_bytes(), b""), br#"{"z":1}"#);
+        assert!(
+            compared <= n_log_n_comparisons(n),
+            "{compared} key comparisons for {n} members"
+        );
+        // Copies of one key, every one edited: one is kept, at no more cost.
+        let text = format!("{{{}\"p\":1}}", "\"a\":0,".repeat(n));
+        let object = JsonObject::parse(text.as_bytes()).unwrap();
+        let before = key_comparisons();
+        let splice = object.splice(|key| if key == "a" { Edit::Slot } else { Edit::Keep }, &[]);
+        let compared = key_comparisons() - before;
+        assert_eq!(splice.write(text.as_bytes(), b"2"), br#"{"a":2,"p":1}"#);
+        assert!(compared <= n_log_n_comparisons(n), "{compared}");
     }
 
     #[test]

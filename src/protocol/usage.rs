@@ -164,13 +164,14 @@ fn without_null_members(value: &[u8]) -> Option<Vec<u8>> {
         return None;
     }
     let object = JsonObject::parse(value).ok()?;
-    let is_null = |key: &str| object.last_value(key) == Some(b"null".as_slice());
-    if !object.members().iter().any(|member| is_null(&member.key)) {
+    // Found once for all members: prefill's answer may hold very many.
+    let null = object.keys_whose_value(|value| value == b"null");
+    if null.is_empty() {
         return None;
     }
     let splice = object.splice(
         |key| {
-            if is_null(key) {
+            if null.contains(key) {
                 Edit::Remove
             } else {
                 Edit::Keep
@@ -799,6 +800,30 @@ mod tests {
             assert_eq!(after_last_event(text), last_end, "{text:?}");
             assert_eq!(first_event_end(text), first_start, "{text:?}");
         }
+    }
+
+    #[test]
+    fn prefills_null_details_are_left_out_in_about_n_log_n_key_comparisons() {
+        // A prefill answer (up to about 32 MiB) whose details hold many null members: each
+        // is looked up once, not against every other member.
+        use crate::json::key_comparisons;
+        use crate::json::tests::{n_log_n_comparisons, null_members};
+        let n = 10_000;
+        let details = null_members(n);
+        let usage = format!(r#"{{"prompt_tokens":7,"prompt_tokens_details":{details}}}"#);
+        let before = key_comparisons();
+        let prompt = prompt_usage_in(Api::ChatCompletions, usage.as_bytes()).unwrap();
+        let compared = key_comparisons() - before;
+        assert_eq!(
+            prompt.streamed_members,
+            Some(vec![("prompt_tokens_details", b"{}".to_vec())])
+        );
+        // Two passes over the details (which members are null, then the splice's plan),
+        // and a few lookups in the usage object.
+        assert!(
+            compared <= 2 * n_log_n_comparisons(n) + 64,
+            "{compared} key comparisons for {n} members"
+        );
     }
 
     #[test]
