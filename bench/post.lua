@@ -9,6 +9,14 @@ wrk.method = "POST"
 wrk.path = path
 wrk.body = body
 wrk.headers["Content-Type"] = "application/json"
+-- BENCH_HEADER, "name: value": one more request header (the tokens workload's event gap).
+local extra = os.getenv("BENCH_HEADER")
+if extra then
+  local name, value = extra:match("^([^:]+):%s*(.*)$")
+  if name then
+    wrk.headers[name] = value
+  end
+end
 
 function done(summary, latency, requests)
   local e = summary.errors

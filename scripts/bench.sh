@@ -15,8 +15,9 @@
 #      The workloads: the chat body at each size of BENCH_SIZES (1 KB, 64 KB, 1 MB) against the
 #      backend directly, Envoy's plain route, `filter`, `release_off` and vllm-router, plus
 #      `merge_off` at 1 KB; and, when 1 KB is among the sizes, `1KB-stream` (the 1 KB body with
-#      "stream":true and the usage chunk asked for) against the plain route, `filter` and
-#      `merge_off`;
+#      "stream":true and the usage chunk asked for, its answer in one piece) and `1KB-tokens`
+#      (the same, its 16 events 2 ms apart, each a chunk of its own as tokens come) against the
+#      plain route, `filter` and `merge_off`;
 #   4. memory: Envoy's RSS and the filter's wasm linear memory before and after each target's
 #      first 1 MB load, then before and after a long run (BENCH_SOAK_SECS);
 #   5. the table, the ratios against the targets and what usage merging and KV release
@@ -158,17 +159,18 @@ if [ "$micro" = 1 ]; then
 fi
 
 # --- 2. backend and Envoy ---------------------------------------------------------------------
-# The workloads, LABEL:BYTES: the sizes, and the 1 KB body streamed right after the 1 KB one.
+# The workloads, LABEL:BYTES: the sizes, and the 1 KB body streamed right after the 1 KB one,
+# in one piece (1KB-stream) and one event per chunk as tokens come (1KB-tokens).
 workloads=""
 for entry in $sizes; do
     workloads="$workloads $entry"
-    [ "${entry%%:*}" = 1KB ] && workloads="$workloads 1KB-stream:${entry##*:}"
+    [ "${entry%%:*}" = 1KB ] && workloads="$workloads 1KB-stream:${entry##*:} 1KB-tokens:${entry##*:}"
 done
 workloads=${workloads# }
 for entry in $workloads; do
     label=${entry%%:*}
     case $label in
-        *-stream) "$backend_bin" body "${entry##*:}" "$out/body-$label.json" stream ;;
+        *-stream | *-tokens) "$backend_bin" body "${entry##*:}" "$out/body-$label.json" stream ;;
         *) "$backend_bin" body "${entry##*:}" "$out/body-$label.json" ;;
     esac
 done
@@ -263,9 +265,16 @@ targets_for() {
     [ -n "$router_pid" ] && router_target=" router"
     case $1 in
         1KB) echo "direct plain filter merge_off release_off$router_target" ;;
-        *-stream) echo "plain filter merge_off" ;;
+        *-stream | *-tokens) echo "plain filter merge_off" ;;
         *) echo "direct plain filter release_off$router_target" ;;
     esac
+}
+# The milliseconds between a tokens workload's events (the bench backend's
+# x-bench-event-gap-ms): each reaches Envoy as a chunk of its own, as from a generating vLLM.
+event_gap_ms=2
+# The request header that asks for it, for a workload that does; none for the others.
+gap_header_of() {
+    case $1 in *-tokens) echo "x-bench-event-gap-ms: $event_gap_ms" ;; *) echo "" ;; esac
 }
 # Targets doing P/D: the backend must see one prefill and one decode with its KV per request.
 is_pd() {
@@ -298,8 +307,11 @@ for entry in $workloads; do
         port=$(port_of "$target")
         before=$(stats)
         answer=$out/sanity-$label-$target.txt
+        extra_header=()
+        [ -n "$(gap_header_of "$label")" ] && extra_header=(-H "$(gap_header_of "$label")")
         reply=$(curl -s -m 60 -o "$answer" -w '%{http_code} %{content_type}' "http://127.0.0.1:$port$path" \
-            -H 'content-type: application/json' --data-binary "@$out/body-$label.json") && rc=0 || rc=$?
+            -H 'content-type: application/json' "${extra_header[@]}" \
+            --data-binary "@$out/body-$label.json") && rc=0 || rc=$?
         [ "$rc" = 0 ] || die "$label to $target (port $port): curl exit status $rc (28: no complete answer in 60 s)"
         [ "${reply%% *}" = 200 ] || die "$label to $target (port $port) answered ${reply%% *}: $(head -c 300 "$answer")"
         if is_pd "$target"; then
@@ -309,7 +321,7 @@ for entry in $workloads; do
             [ "$kv" = 1 ] && [ "$pf" = 1 ] || die "$label through $target: prefill $pf, decode with kv $kv"
         fi
         case $label in
-            *-stream)
+            *-stream | *-tokens)
                 case ${reply#* } in
                     text/event-stream*) ;;
                     *) die "$label through $target: content-type ${reply#* }, not text/event-stream" ;;
@@ -320,7 +332,7 @@ for entry in $workloads; do
         esac
     done
     case $label in
-        *-stream)
+        *-stream | *-tokens)
             merged=$(usage_of "$out/sanity-$label-filter.txt")
             unmerged=$(usage_of "$out/sanity-$label-merge_off.txt")
             [ -n "$merged" ] && [ -n "$unmerged" ] && [ "$merged" != "$unmerged" ] ||
@@ -345,7 +357,8 @@ run() {
     s0=$(stats)
     e0=$(cpu_ticks "$proxy_pid")
     b0=$(cpu_ticks "$backend_pid")
-    line=$(BENCH_BODY="$out/body-$label.json" BENCH_PATH=$path "${on_load_cpu[@]}" \
+    line=$(BENCH_BODY="$out/body-$label.json" BENCH_PATH=$path BENCH_HEADER="$(gap_header_of "$label")" \
+        "${on_load_cpu[@]}" \
         wrk -t1 -c"$nconns" -d"${secs}s" --timeout 30s -s bench/post.lua \
         "http://127.0.0.1:$port" | grep '^BENCH ') || die "wrk failed ($target $label c$nconns)"
     e1=$(cpu_ticks "$proxy_pid")
