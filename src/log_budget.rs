@@ -58,10 +58,15 @@ impl LogBudget {
 /// second, cannot crowd them out.
 pub const EVENT_TARGET: &str = "pd_filter::event";
 
-/// A worker's two budgets: per-request lines, and [`EVENT_TARGET`]'s.
+/// A worker's three budgets: warnings and errors about a request (a worker failed, a KV
+/// release was lost), info lines about a request (mostly one refused for what its own client
+/// sent or did: prefill's 4xx, its 429 or 503), and [`EVENT_TARGET`]'s. Info lines have a
+/// budget apart so that one client, whose refusals cost it nothing past the first few,
+/// cannot crowd out the lines about other clients' failed requests an operator looks for.
 #[derive(Debug)]
 pub struct LogBudgets {
     lines: LogBudget,
+    notices: LogBudget,
     events: LogBudget,
 }
 
@@ -70,14 +75,17 @@ impl LogBudgets {
     pub const fn new(per_second: u32) -> LogBudgets {
         LogBudgets {
             lines: LogBudget::new(per_second),
+            notices: LogBudget::new(per_second),
             events: LogBudget::new(per_second),
         }
     }
 
-    /// A line of `target` at `second` (since the epoch) asks to be written.
-    pub fn admit(&mut self, target: &str, second: u64) -> Admission {
+    /// A line at `level` of `target` at `second` (since the epoch) asks to be written.
+    pub fn admit(&mut self, level: log::Level, target: &str, second: u64) -> Admission {
         if target == EVENT_TARGET {
             self.events.admit(second)
+        } else if level >= log::Level::Info {
+            self.notices.admit(second)
         } else {
             self.lines.admit(second)
         }
@@ -87,6 +95,49 @@ impl LogBudgets {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use log::Level;
+
+    /// One client's refusals (info lines, as many as it sends requests) use up their budget
+    /// every second; the warning about another client's failed prefill is still written.
+    #[test]
+    fn a_flood_of_refusals_does_not_crowd_out_warnings() {
+        let mut budgets = LogBudgets::new(2);
+        let written = Admission::Write {
+            not_written_before: 0,
+        };
+        for _ in 0..50 {
+            budgets.admit(Level::Info, "pd_filter::session::prefill", 10);
+        }
+        assert_eq!(
+            budgets.admit(Level::Info, "pd_filter::session::intake", 10),
+            Admission::Drop
+        );
+        assert_eq!(
+            budgets.admit(Level::Warn, "pd_filter::session::prefill", 10),
+            written
+        );
+        assert_eq!(
+            budgets.admit(Level::Error, "pd_filter::filter", 10),
+            written
+        );
+        // Warnings are bounded too, and each kind counts its own left out.
+        assert_eq!(
+            budgets.admit(Level::Warn, "pd_filter::filter", 10),
+            Admission::Drop
+        );
+        assert_eq!(
+            budgets.admit(Level::Warn, "pd_filter::filter", 11),
+            Admission::Write {
+                not_written_before: 1
+            }
+        );
+        assert_eq!(
+            budgets.admit(Level::Info, "pd_filter::session::prefill", 11),
+            Admission::Write {
+                not_written_before: 49
+            }
+        );
+    }
 
     #[test]
     fn events_are_not_crowded_out_by_per_request_lines() {
@@ -96,25 +147,28 @@ mod tests {
         };
         // A fault storm: every second's budget of per-request lines is used up.
         for _ in 0..50 {
-            budgets.admit("pd_filter::session::answer", 10);
+            budgets.admit(Level::Warn, "pd_filter::session::answer", 10);
         }
         assert_eq!(
-            budgets.admit("pd_filter::session::answer", 10),
+            budgets.admit(Level::Warn, "pd_filter::session::answer", 10),
             Admission::Drop
         );
         // The decode pool's outage, and its end, are still written.
-        assert_eq!(budgets.admit(EVENT_TARGET, 10), written);
-        assert_eq!(budgets.admit(EVENT_TARGET, 10), written);
+        assert_eq!(budgets.admit(Level::Warn, EVENT_TARGET, 10), written);
+        assert_eq!(budgets.admit(Level::Warn, EVENT_TARGET, 10), written);
         // Events are bounded too.
-        assert_eq!(budgets.admit(EVENT_TARGET, 10), Admission::Drop);
         assert_eq!(
-            budgets.admit("pd_filter::filter", 11),
+            budgets.admit(Level::Warn, EVENT_TARGET, 10),
+            Admission::Drop
+        );
+        assert_eq!(
+            budgets.admit(Level::Error, "pd_filter::filter", 11),
             Admission::Write {
                 not_written_before: 49
             }
         );
         assert_eq!(
-            budgets.admit(EVENT_TARGET, 11),
+            budgets.admit(Level::Warn, EVENT_TARGET, 11),
             Admission::Write {
                 not_written_before: 1
             }

@@ -78,7 +78,7 @@ impl log::Log for HostLogger {
                 budget
                     .try_borrow_mut()
                     .map_or(Admission::Drop, |mut budget| {
-                        budget.admit(record.target(), second)
+                        budget.admit(record.level(), record.target(), second)
                     })
             });
             match admission {

@@ -714,3 +714,49 @@ async fn under_a_flood_of_failures_a_worker_writes_a_bounded_number_of_log_lines
         "the count of those left out is written"
     );
 }
+
+#[tokio::test]
+async fn one_clients_refusals_do_not_crowd_another_clients_failure_out_of_the_log() {
+    // A client whose requests prefill refuses (400: an info line each, as cheap for it to
+    // send as it likes) uses up every second's budget of such lines on both workers. The
+    // warning about another client's failed prefill, an operator's business, is written all
+    // the same.
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let refused = |id: String| async move {
+        Request::post("quiet_log", "/v1/completions")
+            .id(&id)
+            .body(r#"{"prompt":"x mock:prefill_status=400","max_tokens":2}"#)
+            .send()
+            .await
+    };
+    let flood = async {
+        for _ in 0..6 {
+            let round = (0..16).map(|_| refused(unique_id("quiet-log-refused")));
+            for reply in futures_util::future::join_all(round).await {
+                assert_eq!(reply.status, 400, "{}", reply.body);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let bystanders: Vec<String> = (0..2).map(|_| unique_id("quiet-log-bystander")).collect();
+    let failed = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for id in &bystanders {
+            let reply = Request::post("quiet_log", "/v1/completions")
+                .id(id)
+                .body(r#"{"prompt":"x mock:prefill_status=500","max_tokens":2}"#)
+                .send()
+                .await;
+            assert_eq!(reply.status, 502, "{}", reply.body);
+        }
+    };
+    tokio::join!(flood, failed);
+    let log = h.envoy_log_text();
+    for id in &bystanders {
+        assert!(
+            log.contains(&format!("[{id}] prefill failure")),
+            "{id}: the failure's warning was crowded out"
+        );
+    }
+}
