@@ -1,6 +1,9 @@
 //! How many lines a worker writes to Envoy's log: under overload every refused request has
 //! a line to log, and Envoy would write tens of MB a minute. Each second takes a bounded
 //! number; the rest are counted and the count is written with the next line let through.
+//! And each line stays one line ([`one_line`]).
+
+use std::borrow::Cow;
 
 /// Lines a worker writes per second, at most, by default (`max_log_lines_per_second`).
 pub const LINES_PER_SECOND: u32 = 20;
@@ -90,6 +93,29 @@ impl LogBudgets {
             self.lines.admit(second)
         }
     }
+}
+
+/// `text` with every character that could end a line in Envoy's log, or be read as the
+/// terminal's, escaped (`\n`, `\u{2028}`, `\u{1b}`). Lines quote what others wrote: prefill's
+/// error message, which vLLM often writes with the client's own words in it (a model name, a
+/// tool name), would otherwise let a client write whole lines of its own into the log, such
+/// as a failure under another client's request id.
+pub fn one_line(text: &str) -> Cow<'_, str> {
+    fn breaks_line(c: char) -> bool {
+        c.is_control() || matches!(c, '\u{2028}' | '\u{2029}')
+    }
+    if !text.chars().any(breaks_line) {
+        return Cow::Borrowed(text);
+    }
+    let mut line = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if breaks_line(c) {
+            line.extend(c.escape_default());
+        } else {
+            line.push(c);
+        }
+    }
+    Cow::Owned(line)
 }
 
 #[cfg(test)]
@@ -206,5 +232,18 @@ mod tests {
         for _ in 0..1000 {
             assert_eq!(unlimited.admit(7), written);
         }
+    }
+
+    #[test]
+    fn a_quoted_message_stays_on_its_line() {
+        let forged = "The tool `x`\n[warning] [victim] prefill failure\r\u{2028}\u{85}\u{1b}[2J`";
+        let line = one_line(forged);
+        assert_eq!(
+            line,
+            "The tool `x`\\n[warning] [victim] prefill failure\\r\\u{2028}\\u{85}\\u{1b}[2J`"
+        );
+        assert!(!line.chars().any(|c| c.is_control() || c == '\u{2028}'));
+        let plain = "prefill refused the request: answering 400: ünïcode stays";
+        assert!(matches!(one_line(plain), Cow::Borrowed(text) if text == plain));
     }
 }

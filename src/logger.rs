@@ -1,7 +1,8 @@
 //! The filter's `log` backend: lines go to Envoy's log, at most `max_log_lines_per_second` a
 //! second per worker at info and above (debug and trace, off unless Envoy's level asks for
 //! them, are not counted), and as many again of the lines that say a worker's state changed
-//! ([`crate::log_budget::EVENT_TARGET`]), which have a budget of their own.
+//! ([`crate::log_budget::EVENT_TARGET`]), which have a budget of their own. Every line is
+//! written as one line ([`crate::log_budget::one_line`]).
 
 use std::cell::RefCell;
 use std::time::UNIX_EPOCH;
@@ -9,7 +10,7 @@ use std::time::UNIX_EPOCH;
 use proxy_wasm::types::LogLevel;
 
 use crate::host;
-use crate::log_budget::{Admission, LogBudgets, LINES_PER_SECOND};
+use crate::log_budget::{one_line, Admission, LogBudgets, LINES_PER_SECOND};
 
 struct HostLogger;
 
@@ -24,7 +25,7 @@ pub fn install(level: LogLevel) {
     // Only the first call can succeed; a later one changes nothing.
     let _ = log::set_logger(&LOGGER);
     std::panic::set_hook(Box::new(|panic| {
-        let _ = host::log(LogLevel::Critical, &panic.to_string());
+        let _ = host::log(LogLevel::Critical, &one_line(&panic.to_string()));
     }));
     set_level(level);
 }
@@ -95,7 +96,7 @@ impl log::Log for HostLogger {
                 Admission::Write { .. } => {}
             }
         }
-        let _ = host::log(level, &record.args().to_string());
+        let _ = host::log(level, &one_line(&record.args().to_string()));
     }
 
     fn flush(&self) {}

@@ -1627,3 +1627,39 @@ async fn a_request_id_that_could_forge_log_lines_is_replaced_on_both_legs() {
     assert!(!h.envoy_log_text().contains("forged line"));
     assert!(h.envoy_log_text().contains(id));
 }
+
+/// vLLM quotes a client's own words in its error messages (a model name, a tool name), and
+/// the filter's line about a refused request quotes prefill's message: a line separator
+/// there would let a client write lines of its own into the log, such as a failure under
+/// another client's request id. Every line that names the other id is the client's own.
+#[tokio::test]
+async fn an_error_message_quoting_the_client_cannot_forge_log_lines() {
+    let h = harness();
+    let id = unique_id("forge-quoted");
+    let victim = unique_id("forge-victim");
+    let forged = format!(
+        "x\n[2026-01-01 00:00:00.000][1][warning][wasm] wasm log pd-filter pd-filter: [{victim}] \
+         prefill failure (status): answering 500: forged\r\u{2028}[{victim}] forged again"
+    );
+    let body = json!({
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "real", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "tool", "name": forged},
+    });
+    let reply = Request::post("default", "/v1/messages")
+        .id(&id)
+        .body(body.to_string())
+        .send()
+        .await;
+    // Prefill refuses a tool choice no tool has, quoting its name; the filter logs that.
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert!(reply.body.contains("forged again"), "{}", reply.body);
+    let log = h.envoy_log_text();
+    assert!(log.contains(&id), "the refusal is logged");
+    for line in log.lines().filter(|line| line.contains(&victim)) {
+        assert!(line.contains(&id), "a forged line: {line}");
+    }
+    assert!(!log.contains('\u{2028}'));
+}
