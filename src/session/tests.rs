@@ -1646,6 +1646,61 @@ fn a_stream_is_read_for_usage_only_where_decode_sends_usage() {
     ));
 }
 
+#[test]
+fn a_stream_is_not_read_where_prefill_counted_nothing_but_the_prompt() {
+    // vLLM's default, no --enable-prompt-tokens-details on either pool: prefill's usage has
+    // no details, and decode's stream counts the same prompt with none either, which is one
+    // vLLM's usage. Reading every chunk to find it would change nothing.
+    let streams_read = |path: &str, body: &str, prefill_usage: &str| {
+        let mut s = session("");
+        send(&mut s, &post(path), body);
+        s.on_prefill_dispatched(Some(1), at(0));
+        let answer = format!(r#"{{"id":"p","kv_transfer_params":{KV},"usage":{prefill_usage}}}"#);
+        s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+        s.on_response_headers(&ResponseHead {
+            content_type: Some("text/event-stream"),
+            ..upstream(200)
+        });
+        s.on_response_body(40, false) == BodyStep::ReadBody
+    };
+    let completions = r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#;
+    let counts = r#""prompt_tokens":3,"completion_tokens":1,"total_tokens":4"#;
+    for (usage, read) in [
+        (format!("{{{counts}}}"), false),
+        (
+            format!(r#"{{{counts},"prompt_tokens_details":null}}"#),
+            false,
+        ),
+        (
+            format!(r#"{{{counts},"prompt_tokens_details":{{"cached_tokens":0}}}}"#),
+            true,
+        ),
+    ] {
+        for path in ["/v1/completions", "/v1/chat/completions"] {
+            let body = if path == "/v1/completions" {
+                completions.to_owned()
+            } else {
+                completions.replace(r#""prompt":"x""#, r#""messages":[]"#)
+            };
+            assert_eq!(streams_read(path, &body, &usage), read, "{path} {usage}");
+        }
+    }
+    // The Messages API counts the prompt otherwise on decode (without the KV it pulled):
+    // its stream is read whatever prefill reported.
+    assert!(streams_read(
+        "/v1/messages",
+        r#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"x"}],"stream":true}"#,
+        r#"{"input_tokens":3,"output_tokens":1}"#
+    ));
+    // A JSON answer is read once and merged all the same: it also tells of pools that
+    // render the prompt differently.
+    let mut s = prefilling("");
+    let answer = format!(r#"{{"id":"p","kv_transfer_params":{KV},"usage":{{{counts}}}}}"#);
+    s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+    s.on_response_headers(&upstream(200));
+    assert_eq!(s.on_response_body(10, true), BodyStep::ReadBody);
+}
+
 fn prefill_with_usage(cached: u64) -> String {
     format!(
         r#"{{"id":"p","kv_transfer_params":{KV},"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#
