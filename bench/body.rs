@@ -10,7 +10,7 @@
 pub const SIZES: &[(&str, usize)] = &[("1KB", 1024), ("64KB", 65_536), ("1MB", 1_048_576)];
 
 /// What the bench backend answers a prefill request: one token and `kv_transfer_params`.
-pub const PREFILL_ANSWER: &[u8] = br#"{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant","content":"The"},"finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3,4,5,6,7,8],"remote_engine_id":"bench-engine","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}"#;
+pub const PREFILL_ANSWER: &[u8] = br#"{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant","content":"The"},"finish_reason":"length"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2,"prompt_tokens_details":{"cached_tokens":0}},"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_block_ids":[1,2,3,4,5,6,7,8],"remote_engine_id":"bench-engine","remote_host":"127.0.0.1","remote_port":5600,"tp_size":1}}"#;
 
 const WORDS: &[&str] = &[
     "the",

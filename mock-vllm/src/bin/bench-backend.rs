@@ -15,9 +15,12 @@
 //! `"include_usage":true`, `[DONE]`), in one piece but without content-length (chunked, as
 //! vLLM sends a stream, which a filter may rewrite on the way). Every answer counts the
 //! prompt as one token, as prefill's does (both legs of a request count the same prompt, as
-//! vLLM's do; counts that differ make the filter log a warning per request); the stream's
-//! usage chunk counts it as cached when prefill's KV came with the request (vLLM counts
-//! pulled KV as a prefix-cache hit), so that the filter's merge has a count to change.
+//! vLLM's do; counts that differ make the filter log a warning per request). Every usage
+//! has `prompt_tokens_details`, as vLLM's with `--enable-prompt-tokens-details` on both
+//! pools, the setting in which the filter's merge has something to change: prefill counts
+//! no cache hit, decode's JSON answer counts the prompt as cached (vLLM counts pulled KV as
+//! a prefix-cache hit; the JSON answer is the same bytes on every request), and the
+//! stream's usage chunk counts it as cached when prefill's KV came with the request.
 //! With `BENCH_STREAM_BY_EVENT` set, a stream goes out one event per write, as a generating
 //! vLLM sends it. A request with the header `x-bench-event-gap-ms: N` gets its stream one
 //! event per write, N milliseconds apart, as tokens come from a generating vLLM: only then
@@ -56,7 +59,7 @@ const INCLUDE_USAGE: &[u8] = br#""include_usage":true"#;
 /// The prompt's length in tokens in every answer's usage, prefill's too.
 const PROMPT_TOKENS: usize = 1;
 
-const DECODE_ANSWER: &[u8] = br#"{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant","content":"The answer is forty-two, as computed by the bench backend."},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":12,"total_tokens":13}}"#;
+const DECODE_ANSWER: &[u8] = br#"{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench-model","choices":[{"index":0,"message":{"role":"assistant","content":"The answer is forty-two, as computed by the bench backend."},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":12,"total_tokens":13,"prompt_tokens_details":{"cached_tokens":1}}}"#;
 
 /// The words of the streamed answer, one content chunk each.
 const STREAM_WORDS: [&str; 12] = [
