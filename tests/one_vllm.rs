@@ -290,6 +290,38 @@ async fn under_vllm_0_33_the_client_sees_prefills_cache_writes_and_decodes_own_h
     }
 }
 
+/// vLLM's default, without `--enable-prompt-tokens-details` on either pool: both legs count
+/// the prompt alike and report no details, so the client gets one vLLM's usage whether the
+/// filter merges (a JSON answer) or leaves a stream unread.
+#[tokio::test]
+async fn usage_without_prompt_details_is_one_vllms() {
+    let h = harness();
+    for api in &APIS[..2] {
+        for stream in [false, true] {
+            let id = unique_id("usage-no-details");
+            let sent = body(api, "count my tokens mock:no_prompt_details", stream);
+            let case = format!("{} stream={stream}", api.path);
+            let reply = post(api, &id, &sent).await;
+            assert_eq!(reply.status, 200, "{case}: {}", reply.body);
+            assert_eq!(reply.header("x-mock-kv"), Some("reused"), "{case}");
+            let usage = client_usage(&reply.body);
+            let prefills = h.only_prefill(&id);
+            assert!(
+                usage.get("prompt_tokens_details").is_none(),
+                "{case}: {usage}"
+            );
+            assert_eq!(usage["completion_tokens"], 5, "{case}: {usage}");
+            let prompt = usage["prompt_tokens"].as_u64().unwrap();
+            assert_eq!(usage["total_tokens"], prompt + 5, "{case}: {usage}");
+            let (text, _, ended) = answer_text(&reply.body);
+            assert!(ended, "{case}");
+            assert_eq!(text, expected_decode_text("count", 5), "{case}");
+            assert_eq!(prefills.json()["stream"], false, "{case}");
+            assert!(prompt > 0, "{case}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn usage_is_decodes_when_configured_so() {
     let id = unique_id("usage-decode");

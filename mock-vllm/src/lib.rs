@@ -340,6 +340,10 @@ struct Faults {
     hands_cached_tokens: bool,
     /// Decode: the time between two streamed events (`mock:decode_token_delay_ms=N`).
     token_delay_ms: Option<u64>,
+    /// Both workers: completions and chat usage without `prompt_tokens_details`, as vLLM
+    /// answers without `--enable-prompt-tokens-details`, its default
+    /// (`mock:no_prompt_details`, a server flag both pools share).
+    no_prompt_details: bool,
     /// A `retry-after` on an error answer (`mock:prefill_retry_after=N`), as a rate limiter
     /// in front of vLLM would send.
     retry_after: Option<u64>,
@@ -380,6 +384,7 @@ impl Faults {
             cached_tokens: if prefill { num("cached_tokens") } else { None },
             hands_cached_tokens: prefill && flag("hands_cached_tokens"),
             token_delay_ms: if prefill { None } else { num("token_delay_ms") },
+            no_prompt_details: has_flag(raw, "mock:no_prompt_details"),
             retry_after: num("retry_after"),
             gzip: !prefill && flag("gzip"),
             stall_mid_answer_ms: if prefill {
@@ -614,6 +619,7 @@ fn answer(
         prompt_tokens: parsed.prompt_tokens(),
         cached_tokens: cached_tokens.min(parsed.prompt_tokens()),
         cache_writes,
+        prompt_details: true,
         tokens,
         echoed: if parsed.echo && parsed.endpoint == Endpoint::Completions {
             proto::prompt_pieces(&parsed.prompt)
@@ -663,7 +669,8 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
     let writes = faults
         .hands_cached_tokens
         .then(|| parsed.prompt_tokens().saturating_sub(cached));
-    let answer = answer(shared, parsed, tokens, cached, writes);
+    let mut answer = answer(shared, parsed, tokens, cached, writes);
+    answer.prompt_details = !faults.no_prompt_details;
     if parsed.stream {
         // vLLM only returns kv_transfer_params on non-streamed answers.
         return sse_response(
@@ -775,6 +782,7 @@ fn decode(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> {
     // vLLM 0.33's decode counts the KV it pulled as neither a hit nor a cache write.
     let writes = prefills_hits.map(|_| 0);
     let mut answer = answer(shared, parsed, tokens, cached, writes);
+    answer.prompt_details = !faults.no_prompt_details;
     if let Some(extra) = faults.extra_prompt_tokens {
         answer.prompt_tokens = answer.prompt_tokens.saturating_add(extra);
     }

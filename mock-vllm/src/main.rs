@@ -23,6 +23,8 @@ Faults, asked for anywhere in a request body's text:
   mock:prefill_huge=N                            pad prefill's answer with N bytes (at most 128 MiB)
   mock:prefill_cached_tokens=N                   report N prompt tokens from the prefix cache
   mock:prefill_hands_cached_tokens               put them into kv_transfer_params for decode (vLLM 0.33)
+  mock:no_prompt_details                         both workers: completions and chat usage without
+                                                 prompt_tokens_details (vLLM's default)
   mock:decode_token_delay_ms=N                   stream one event every N ms";
 
 fn parse_args(args: &[String]) -> Result<Vec<(Role, String)>, String> {

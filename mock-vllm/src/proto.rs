@@ -787,6 +787,9 @@ pub(crate) struct Answer {
     /// (`mock:prefill_hands_cached_tokens`): the rest of prefill's prompt, about none of
     /// decode's. `None` as vLLM 0.11 answers, which does not report them.
     pub cache_writes: Option<u64>,
+    /// Completions and chat report `prompt_tokens_details` (vLLM with
+    /// `--enable-prompt-tokens-details`); without, their usage has the counts alone.
+    pub prompt_details: bool,
     pub tokens: Vec<String>,
     /// Completions with `echo`: the prompt's tokens, written before the generated ones.
     pub echoed: Vec<String>,
@@ -826,11 +829,13 @@ impl Answer {
                 "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": total}),
+            _ if !self.prompt_details => json!({"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": out, "total_tokens": total}),
             _ => json!({"prompt_tokens": self.prompt_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 "completion_tokens": out, "total_tokens": total}),
         };
-        if let Some(writes) = self.cache_writes {
+        if let Some(writes) = self.cache_writes.filter(|_| self.prompt_details) {
             match self.endpoint {
                 Endpoint::Responses => {
                     usage["input_tokens_details"]["cache_write_tokens"] = json!(writes)
@@ -846,7 +851,7 @@ impl Answer {
     /// details there as null, and leaves them out of a stream's usage chunk.
     fn answer_usage(&self) -> Value {
         let mut usage = self.usage();
-        if self.cache_writes.is_some() {
+        if self.cache_writes.is_some() && self.prompt_details {
             usage["prompt_tokens_details"]["multimodal_tokens"] = Value::Null;
         }
         usage
@@ -1372,6 +1377,7 @@ mod tests {
             prompt_tokens: parsed.prompt_tokens(),
             cached_tokens,
             cache_writes: None,
+            prompt_details: true,
             tokens,
             echoed: if parsed.echo {
                 prompt_pieces(&parsed.prompt)
