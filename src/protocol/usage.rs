@@ -48,18 +48,6 @@ impl PromptUsage {
         (decode != self.prompt_tokens).then_some((self.prompt_tokens, decode))
     }
 
-    /// Whether a merge into decode's stream could change anything a client should see.
-    /// Prefill reported nothing of the prompt but its count (no details: vLLM's default,
-    /// without `--enable-prompt-tokens-details`) on an API whose legs count the prompt
-    /// alike: decode, run with the same flags, reports no details either and the same
-    /// count, which is one vLLM's usage. Reading every chunk of a stream costs a host call
-    /// each; a JSON answer, read once, is merged all the same (and tells of pools that
-    /// render the prompt differently, [`PromptUsage::decode_counted_another`]).
-    pub fn changes_a_stream(&self, api: Api) -> bool {
-        let alike = fields(api).is_some_and(|fields| fields.prompt_counts_alike);
-        !(alike && self.members.is_empty())
-    }
-
     /// Prefill counted prompt tokens it computed and wrote to its prefix cache (vLLM 0.33:
     /// `created_cache_tokens`, `cache_write_tokens`, `cache_creation_input_tokens`), in its
     /// usage or in a details object. Decode, which pulled them, counts about none.

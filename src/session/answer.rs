@@ -140,10 +140,10 @@ impl Session {
         let essence = head.content_type.map(media_type).unwrap_or_default().trim();
         let mut rewrite = None;
         if rewrites && essence.eq_ignore_ascii_case("text/event-stream") {
-            let changes = prompt_usage
-                .as_ref()
-                .is_some_and(|(api, prompt)| prompt.changes_a_stream(*api));
-            rewrite = (changes && *stream_usage).then(|| {
+            // Read even where prefill reported no details: vLLM reports them only for a
+            // prompt with cache hits, so prefill without hits writes none whatever its flags,
+            // while decode (with `--enable-prompt-tokens-details`) reports the KV it pulled.
+            rewrite = (prompt_usage.is_some() && *stream_usage).then(|| {
                 let events = EventStream::new(self.held.clone(), config.max_request_body_bytes);
                 AnswerRewrite::Events(events)
             });

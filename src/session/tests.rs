@@ -1647,10 +1647,10 @@ fn a_stream_is_read_for_usage_only_where_decode_sends_usage() {
 }
 
 #[test]
-fn a_stream_is_not_read_where_prefill_counted_nothing_but_the_prompt() {
-    // vLLM's default, no --enable-prompt-tokens-details on either pool: prefill's usage has
-    // no details, and decode's stream counts the same prompt with none either, which is one
-    // vLLM's usage. Reading every chunk to find it would change nothing.
+fn a_stream_is_read_whatever_details_prefill_reported() {
+    // Prefill's usage without details does not tell vLLM's default (no
+    // --enable-prompt-tokens-details) from a prompt without cache hits under that flag,
+    // where decode reports the KV it pulled as hits: the stream is read either way.
     let streams_read = |path: &str, body: &str, prefill_usage: &str| {
         let mut s = session("");
         send(&mut s, &post(path), body);
@@ -1666,10 +1666,10 @@ fn a_stream_is_not_read_where_prefill_counted_nothing_but_the_prompt() {
     let completions = r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#;
     let counts = r#""prompt_tokens":3,"completion_tokens":1,"total_tokens":4"#;
     for (usage, read) in [
-        (format!("{{{counts}}}"), false),
+        (format!("{{{counts}}}"), true),
         (
             format!(r#"{{{counts},"prompt_tokens_details":null}}"#),
-            false,
+            true,
         ),
         (
             format!(r#"{{{counts},"prompt_tokens_details":{{"cached_tokens":0}}}}"#),
@@ -1685,20 +1685,69 @@ fn a_stream_is_not_read_where_prefill_counted_nothing_but_the_prompt() {
             assert_eq!(streams_read(path, &body, &usage), read, "{path} {usage}");
         }
     }
-    // The Messages API counts the prompt otherwise on decode (without the KV it pulled):
-    // its stream is read whatever prefill reported.
     assert!(streams_read(
         "/v1/messages",
         r#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"x"}],"stream":true}"#,
         r#"{"input_tokens":3,"output_tokens":1}"#
     ));
-    // A JSON answer is read once and merged all the same: it also tells of pools that
-    // render the prompt differently.
+    // So is a JSON answer.
     let mut s = prefilling("");
     let answer = format!(r#"{{"id":"p","kv_transfer_params":{KV},"usage":{{{counts}}}}}"#);
     s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
     s.on_response_headers(&upstream(200));
     assert_eq!(s.on_response_body(10, true), BodyStep::ReadBody);
+}
+
+/// vLLM with `--enable-prompt-tokens-details` reports details only where the prompt had
+/// cache hits (`if enable_prompt_tokens_details and num_cached_tokens`): a prefill without
+/// hits answers `"prompt_tokens_details":null`, just as without the flag, while decode, which
+/// counts the KV it pulled as hits, reports them. Its stream is read and those hits cleared,
+/// as in a JSON answer.
+#[test]
+fn decodes_hits_are_cleared_in_a_stream_whose_prefill_had_none() {
+    for (path, body) in [
+        (
+            "/v1/completions",
+            r#"{"prompt":"x","stream":true,"stream_options":{"include_usage":true}}"#,
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[],"stream":true,"stream_options":{"include_usage":true}}"#,
+        ),
+    ] {
+        for prefill_usage in [
+            r#"{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4,"prompt_tokens_details":null}"#,
+            r#"{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}"#,
+        ] {
+            let mut s = session("");
+            send(&mut s, &post(path), body);
+            s.on_prefill_dispatched(Some(1), at(0));
+            let answer =
+                format!(r#"{{"id":"p","kv_transfer_params":{KV},"usage":{prefill_usage}}}"#);
+            s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+            s.on_response_headers(&ResponseHead {
+                content_type: Some("text/event-stream"),
+                ..upstream(200)
+            });
+            let usage = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1,\"total_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":3}}}\n\n";
+            assert_eq!(
+                s.on_response_body(usage.len(), false),
+                BodyStep::ReadBody,
+                "{path} {prefill_usage}"
+            );
+            let step = s.on_response_body_read(usage, false);
+            let [Command::ReplaceResponseBody { body, .. }] = step.commands.as_slice() else {
+                panic!("{path} {prefill_usage}: {:?}", step.commands);
+            };
+            let text = String::from_utf8_lossy(body);
+            let data: Value =
+                serde_json::from_str(text.trim().trim_start_matches("data: ")).unwrap();
+            assert_eq!(
+                data["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+                "{path} {prefill_usage}"
+            );
+        }
+    }
 }
 
 fn prefill_with_usage(cached: u64) -> String {
