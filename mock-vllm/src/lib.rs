@@ -682,7 +682,8 @@ fn prefill(shared: &Shared, parsed: &Parsed, faults: &Faults) -> Response<Body> 
     }
     let wants_kv =
         parsed.kv.as_ref().and_then(|kv| kv.get("do_remote_decode")) == Some(&Value::Bool(true));
-    // vLLM's connectors hand KV over only for an answer cut at its limit.
+    // As vLLM's connectors but NIXL from 0.34 on: KV handed over only for an answer cut at
+    // its limit.
     let stopped = faults.first_token_stop && parsed.min_tokens == 0;
     // KV that is never sent is never issued: the ledger counts only what a decode could read.
     let kv = if faults.kv_not_object {

@@ -1505,8 +1505,9 @@ mod tests {
         );
     }
 
-    /// vLLM hands KV over only for an answer cut at its limit: prefill's one token must not
-    /// be a stop, wherever vLLM reads `min_tokens`; elsewhere the field stays out.
+    /// Most of vLLM's connectors hand KV over only for an answer cut at its limit (NIXL before
+    /// 0.34, Mooncake, MoRIIO): prefill's one token must not be a stop, wherever vLLM reads
+    /// `min_tokens`; elsewhere the field stays out.
     #[test]
     fn prefills_one_token_is_never_a_stop_where_vllm_reads_min_tokens() {
         for (api, body) in [

@@ -140,9 +140,10 @@ impl Session {
         let essence = head.content_type.map(media_type).unwrap_or_default().trim();
         let mut rewrite = None;
         if rewrites && essence.eq_ignore_ascii_case("text/event-stream") {
-            // Read even where prefill reported no details: vLLM reports them only for a
-            // prompt with cache hits, so prefill without hits writes none whatever its flags,
-            // while decode (with `--enable-prompt-tokens-details`) reports the KV it pulled.
+            // Read even where prefill reported no details: vLLM 0.11 reports them only for
+            // a prompt with cache hits, so prefill without hits writes none whatever its
+            // flags, while decode (with `--enable-prompt-tokens-details`) reports the KV it
+            // pulled.
             rewrite = (prompt_usage.is_some() && *stream_usage).then(|| {
                 let events = EventStream::new(self.held.clone(), config.max_request_body_bytes);
                 AnswerRewrite::Events(events)

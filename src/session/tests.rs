@@ -1698,7 +1698,7 @@ fn a_stream_is_read_whatever_details_prefill_reported() {
     assert_eq!(s.on_response_body(10, true), BodyStep::ReadBody);
 }
 
-/// vLLM with `--enable-prompt-tokens-details` reports details only where the prompt had
+/// vLLM 0.11 with `--enable-prompt-tokens-details` reports details only where the prompt had
 /// cache hits (`if enable_prompt_tokens_details and num_cached_tokens`): a prefill without
 /// hits answers `"prompt_tokens_details":null`, just as without the flag, while decode, which
 /// counts the KV it pulled as hits, reports them. Its stream is read and those hits cleared,
