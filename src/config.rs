@@ -134,8 +134,12 @@ impl Default for RawConfig {
 
 /// Client headers the prefill call carries by default: credentials (`authorization`, and
 /// `x-api-key` as Anthropic-style clients send it), trace context (W3C and B3), so that a
-/// trace shows both legs, and vLLM's `x-vllm-priority`, which it reads before the body's
-/// `priority`, so that prefill schedules the request as decode does.
+/// trace shows both legs, vLLM's `x-vllm-priority`, which it reads before the body's
+/// `priority`, so that prefill schedules the request as decode does, and vLLM's
+/// `x-session-id` (vLLM 0.34), which it reads for a request's session where the body names
+/// none and writes into the KV cache events of the blocks the request stores: prefill is
+/// the leg that stores the prompt's blocks, so a router that follows those events sees them
+/// under the client's session as it would with one vLLM.
 pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
     "authorization",
     "traceparent",
@@ -149,6 +153,7 @@ pub const DEFAULT_FORWARD_HEADERS: &[&str] = &[
     "x-b3-flags",
     "x-api-key",
     "x-vllm-priority",
+    "x-session-id",
 ];
 
 /// vLLM's generation APIs: a request to one the filter does not orchestrate goes to decode
@@ -929,6 +934,13 @@ mod tests {
                 config.forward_headers[..2],
                 ["authorization", "traceparent"]
             );
+            // vLLM reads both before the body's fields of the same meaning.
+            for header in ["x-vllm-priority", "x-session-id"] {
+                assert!(
+                    config.forward_headers.iter().any(|name| name == header),
+                    "{header}"
+                );
+            }
             assert_eq!(config.prefill_time_header, None);
             assert_eq!(
                 config.prefill_options.tool_choice,

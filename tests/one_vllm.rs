@@ -399,7 +399,7 @@ async fn every_answer_carries_the_request_id_both_legs_logged() {
 }
 
 #[tokio::test]
-async fn trace_and_priority_headers_reach_prefill() {
+async fn trace_priority_and_session_headers_reach_prefill() {
     let h = harness();
     let id = unique_id("trace");
     let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -409,6 +409,7 @@ async fn trace_and_priority_headers_reach_prefill() {
         .header("tracestate", "vendor=1")
         .header("x-b3-traceid", "80f198ee56343ba864fe8b2a57d3eff7")
         .header("x-vllm-priority", "-5")
+        .header("x-session-id", "session-7")
         .body(body(&APIS[0], "trace me", false).to_string())
         .send()
         .await;
@@ -422,6 +423,8 @@ async fn trace_and_priority_headers_reach_prefill() {
     );
     // vLLM reads the priority header before the body's: prefill schedules as decode does.
     assert_eq!(prefill.header("x-vllm-priority"), Some("-5"));
+    // vLLM tags the KV cache events of the blocks prefill stores with the session.
+    assert_eq!(prefill.header("x-session-id"), Some("session-7"));
 }
 
 /// The filter reads both answers (prefill's for its KV, decode's for the usage merge): it
