@@ -364,7 +364,9 @@ async fn prefill_errors_reach_the_client_as_vllm_wrote_them() {
 
 #[tokio::test]
 async fn prefills_retry_after_reaches_the_client_with_its_error() {
-    // A rate limiter in front of prefill says how long to wait; SDKs wait as advised.
+    let h = harness();
+    // A rate limiter in front of prefill says how long to wait; SDKs wait as advised, and
+    // the filter does not ask the same prefill again at once (SDKs retry on their own).
     for status in [429, 503] {
         let id = unique_id("prefill-retry-after");
         let prompt = format!("wait mock:prefill_status={status} mock:prefill_retry_after=3");
@@ -375,6 +377,7 @@ async fn prefills_retry_after_reaches_the_client_with_its_error() {
             .await;
         assert_eq!(reply.status, status, "{}", reply.body);
         assert_eq!(reply.header("retry-after"), Some("3"), "{status}");
+        assert_eq!(h.prefill_requests(&id).len(), 1, "{status}");
     }
 }
 

@@ -147,6 +147,14 @@ impl Prefill {
             .copied()
     }
 
+    /// Whether the next attempt goes to another scheduler-listed host than this one.
+    fn next_host_is_another(&self) -> bool {
+        let count = self.scheduled_hosts.len();
+        let next = (self.attempt as usize).wrapping_add(1).checked_rem(count);
+        next.and_then(|next| self.scheduled_hosts.get(next))
+            .is_some_and(|next| Some(*next) != self.host())
+    }
+
     fn elapsed(&self, now: SystemTime) -> Duration {
         now.duration_since(self.started).unwrap_or_default()
     }
@@ -510,7 +518,10 @@ impl Session {
             .prefill_timeout
             .checked_sub(prefill.elapsed(now))
             .filter(|left| *left >= MIN_RETRY_BUDGET);
-        let retry = failure.is_retryable();
+        // A prefill that asked for a pause (a 503 with `retry-after`) is not asked again at
+        // once: only another scheduler-listed host is tried, and the client gets the advice.
+        let asked_to_wait = failure.error.retry_after_seconds.is_some_and(|s| s > 0);
+        let retry = failure.is_retryable() && (!asked_to_wait || prefill.next_host_is_another());
         let Some(budget_left) =
             budget_left.filter(|_| retry && prefill.attempt < config.prefill_retries)
         else {

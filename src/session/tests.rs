@@ -2497,6 +2497,50 @@ fn prefills_advice_to_wait_reaches_the_client() {
 }
 
 #[test]
+fn a_prefill_that_asks_for_a_pause_is_not_asked_again_at_once() {
+    let busy = br#"{"error":{"message":"overloaded","type":"ServiceUnavailableError","code":503}}"#;
+    let pause = |seconds| PrefillHead {
+        status: Some(503),
+        retry_after: Some(seconds),
+    };
+    // One target (the cluster): the client gets the 503 and its advice, prefill one call.
+    let mut s = prefilling(r#"{"prefill_retries":2}"#);
+    let commands = s.on_prefill_response(1, pause("5"), busy, at(5));
+    assert_eq!(reply(&commands).0, 503, "{commands:?}");
+    // Without a pause asked for (or with 0 s), the 503 is tried again.
+    for seconds in ["0", "soon"] {
+        let mut s = prefilling(r#"{"prefill_retries":2}"#);
+        let commands = s.on_prefill_response(1, pause(seconds), busy, at(5));
+        assert!(
+            commands
+                .iter()
+                .any(|c| matches!(c, Command::DispatchPrefill(_) | Command::ReadRequestBody)),
+            "{seconds}: {commands:?}"
+        );
+    }
+    // Another scheduler-listed host is tried; the same host, alone in its list, is not.
+    for (listed, retried) in [
+        ("10.0.0.1:8000,10.0.0.2:8000", true),
+        ("10.0.0.1:8000", false),
+    ] {
+        let config = r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8"],"prefill_retries":2}"#;
+        let mut s = session(config);
+        let hosts = [("x-prefiller-host-port", listed)];
+        send(
+            &mut s,
+            &headers("POST", "/v1/completions", &hosts),
+            r#"{"prompt":"x"}"#,
+        );
+        s.on_prefill_dispatched(Some(1), at(0));
+        let commands = s.on_prefill_response(1, pause("5"), busy, at(5));
+        let again = commands
+            .iter()
+            .any(|c| matches!(c, Command::DispatchPrefill(_) | Command::ReadRequestBody));
+        assert_eq!(again, retried, "{listed}: {commands:?}");
+    }
+}
+
+#[test]
 fn the_filters_503s_say_when_to_try_again() {
     // Prefill could not be called (its pool full, no healthy host, no such cluster).
     let mut s = session(r#"{"prefill_retries":0}"#);
