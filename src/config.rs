@@ -9,7 +9,8 @@ use serde::Deserialize;
 use crate::api::Api;
 use crate::protocol::paths::{canonical_path, classify_path, PathVerdict};
 use crate::protocol::rewrite::{
-    ClientEcTransferParams, PrefillOptions, PrefillToolChoice, ResponsesStore, TruncateToContext,
+    ClientEcTransferParams, PrefillOptions, PrefillToolChoice, ResponsesStore, SeveralPrompts,
+    TruncateToContext,
 };
 use crate::protocol::scheduling::HostAllowlist;
 
@@ -73,6 +74,7 @@ struct RawConfig {
     responses_store: ResponsesStore,
     client_ec_transfer_params: ClientEcTransferParams,
     truncate_to_context: TruncateToContext,
+    several_prompts: SeveralPrompts,
     decode_forces_include_usage: bool,
     decode_cluster: String,
     model_decode_clusters: BTreeMap<String, String>,
@@ -120,6 +122,7 @@ impl Default for RawConfig {
             responses_store: ResponsesStore::PerServer,
             client_ec_transfer_params: ClientEcTransferParams::Refuse,
             truncate_to_context: TruncateToContext::Refuse,
+            several_prompts: SeveralPrompts::Refuse,
             decode_forces_include_usage: false,
             decode_cluster: "decode".to_owned(),
             model_decode_clusters: BTreeMap::new(),
@@ -630,6 +633,7 @@ impl Config {
                 responses_store: raw.responses_store,
                 client_ec_transfer_params: raw.client_ec_transfer_params,
                 truncate_to_context: raw.truncate_to_context,
+                several_prompts: raw.several_prompts,
             },
             decode_forces_include_usage: raw.decode_forces_include_usage,
             decode_cluster: raw.decode_cluster,
@@ -777,6 +781,7 @@ const SHAPES: &[(&str, Shape)] = &[
         Shape::Choice(&["refuse", "pass"]),
     ),
     ("truncate_to_context", Shape::Choice(&["refuse", "serve"])),
+    ("several_prompts", Shape::Choice(&["refuse", "decode_only"])),
     ("decode_forces_include_usage", Shape::Flag),
     ("decode_cluster", Shape::Text),
     ("model_decode_clusters", Shape::TextMap),
@@ -1027,6 +1032,22 @@ mod tests {
         );
         let error = Config::from_json(br#"{"client_ec_transfer_params":"strip"}"#).unwrap_err();
         assert!(error.0.contains("refuse, pass"), "{}", error.0);
+    }
+
+    #[test]
+    fn several_prompts_are_refused_unless_decode_serves_them() {
+        let config = Config::from_json(b"{}").unwrap();
+        assert_eq!(
+            config.prefill_options.several_prompts,
+            SeveralPrompts::Refuse
+        );
+        let config = Config::from_json(br#"{"several_prompts":"decode_only"}"#).unwrap();
+        assert_eq!(
+            config.prefill_options.several_prompts,
+            SeveralPrompts::DecodeOnly
+        );
+        let error = Config::from_json(br#"{"several_prompts":"serve"}"#).unwrap_err();
+        assert!(error.0.contains("refuse, decode_only"), "{}", error.0);
     }
 
     #[test]

@@ -242,6 +242,37 @@ async fn a_one_token_echo_with_logprobs_is_answered_by_prefill_alone() {
     assert!(h.decode_requests(&id).is_empty());
 }
 
+/// Clients that batch prompts (LangChain's `OpenAI`, lm-eval's generation tasks) are served
+/// by decode alone where the operator sets `several_prompts: decode_only`.
+#[tokio::test]
+async fn several_prompts_are_served_by_decode_alone_where_configured() {
+    let h = harness();
+    for stream in [false, true] {
+        let id = unique_id(&format!("prompt-list-decode-{stream}"));
+        let body = json!({"model": "m", "prompt": ["one two three", "four five"],
+            "max_tokens": 3, "stream": stream,
+            "kv_transfer_params": {"remote_host": "6.6.6.6", "do_remote_prefill": true}});
+        let reply = Request::post("batches", COMPLETIONS)
+            .id(&id)
+            .body(body.to_string())
+            .send()
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert!(h.prefill_requests(&id).is_empty(), "prefill was called");
+        let decode = h.only_decode(&id);
+        let sent: Value = serde_json::from_slice(&decode.body).unwrap();
+        let mut expected = body.clone();
+        expected
+            .as_object_mut()
+            .unwrap()
+            .remove("kv_transfer_params");
+        assert_eq!(sent, expected);
+        if !stream {
+            assert_eq!(reply.json()["choices"].as_array().map(Vec::len), Some(2));
+        }
+    }
+}
+
 #[tokio::test]
 async fn requests_vllm_cannot_serve_disaggregated_are_refused_before_prefill() {
     let h = harness();

@@ -71,6 +71,9 @@ pub struct PreparedRequest {
     /// loglikelihood requests), whose prompt logprobs only prefill computes. Prefill gets the
     /// client's body, without any `kv_transfer_params`, so it keeps no KV for decode.
     pub answered_by_prefill: bool,
+    /// Decode serves the request alone and prefill is not called (several prompts in one,
+    /// under [`SeveralPrompts::DecodeOnly`]); `prefill_body` is empty.
+    pub decode_alone: bool,
 }
 
 /// How decode's body is written from the client's, found during the one parse.
@@ -244,6 +247,19 @@ pub enum TruncateToContext {
     Serve,
 }
 
+/// Completions requests with a list of several prompts, which P/D cannot serve: vLLM's
+/// prefill hands over the first prompt's KV only.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SeveralPrompts {
+    /// Refused (400): no client reaches decode without prefill.
+    #[default]
+    Refuse,
+    /// Served by decode alone, which computes the prompts itself, as one vLLM would serve
+    /// them: for clients that batch prompts (LangChain's `OpenAI`, lm-eval).
+    DecodeOnly,
+}
+
 /// How prefill's copy of a request is written, where the operator chooses.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct PrefillOptions {
@@ -251,6 +267,7 @@ pub struct PrefillOptions {
     pub responses_store: ResponsesStore,
     pub client_ec_transfer_params: ClientEcTransferParams,
     pub truncate_to_context: TruncateToContext,
+    pub several_prompts: SeveralPrompts,
 }
 
 /// [`prepare_with`] the default options.
@@ -388,6 +405,9 @@ pub fn prepare_with(
     // Prefill answers a one-token echo whole, without handing KV over: several prompts in
     // one are served as vLLM serves them (lm-eval batches its loglikelihood requests so).
     if api == Api::Completions && !answered_by_prefill && batches_prompts(&object) {
+        if options.several_prompts == SeveralPrompts::DecodeOnly {
+            return Ok(decode_alone(&object, json_start));
+        }
         return Err(ClientError::bad_request(
             "a list of several prompts (prompt_embeds beside a prompt count as two) cannot be \
              served through prefill/decode disaggregation: vLLM's prefill hands over the KV \
@@ -464,16 +484,49 @@ pub fn prepare_with(
         with_kv: object.splice(kv_edit(Edit::Slot), append_kv),
         without_kv: has_client_kv.then(|| object.splice(kv_edit(Edit::Remove), &[])),
     };
-    let model = object
-        .last_value("model")
-        .filter(|value| value.starts_with(b"\""))
-        .and_then(|value| serde_json::from_slice::<String>(value).ok());
     Ok(PreparedRequest {
         prefill_body,
         decode,
-        model,
+        model: model_of(&object),
         answered_by_prefill,
+        decode_alone: false,
     })
+}
+
+/// A request decode serves alone: its body as the client sent it, but for any
+/// `kv_transfer_params` of the client's.
+fn decode_alone(object: &JsonObject, json_start: usize) -> PreparedRequest {
+    let has_client_kv = object.has(KV_TRANSFER_PARAMS);
+    let edit = |edit: Edit| {
+        move |key: &str| match key {
+            KV_TRANSFER_PARAMS => edit,
+            _ => Edit::Keep,
+        }
+    };
+    PreparedRequest {
+        prefill_body: Vec::new(),
+        decode: DecodePlan {
+            json_start,
+            prompt_logprobs_from_prefill: false,
+            echo_from_prefill: false,
+            prompt_logprobs_copies: 1,
+            stream_usage_asked: object.is_set("stream_options"),
+            first_member: None,
+            with_kv: object.splice(edit(Edit::Keep), &[]),
+            without_kv: has_client_kv.then(|| object.splice(edit(Edit::Remove), &[])),
+        },
+        model: model_of(object),
+        answered_by_prefill: false,
+        decode_alone: true,
+    }
+}
+
+/// The body's `model`, when it is a string.
+fn model_of(object: &JsonObject) -> Option<String> {
+    object
+        .last_value("model")
+        .filter(|value| value.starts_with(b"\""))
+        .and_then(|value| serde_json::from_slice::<String>(value).ok())
 }
 
 /// The most digits Python's `int()`, and so its `json` module, reads in an integer

@@ -218,6 +218,10 @@ impl Session {
             }
             self.decode_outage_key = Some(key.to_owned());
         }
+        if prepared.decode_alone {
+            commands.extend(self.decode_alone(pending.api, &body, &prepared.decode, now));
+            return Step::new(Flow::Continue, commands);
+        }
         commands.push(Command::Record(Metric::Orchestrated(pending.api)));
         let cluster = match &config.prefill_host_cluster {
             Some(cluster) if !pending.scheduled_hosts.is_empty() => Rc::from(cluster.as_str()),
@@ -670,6 +674,38 @@ impl Session {
         commands.push(Command::ResumeRequest);
         self.state = State::Decoding {
             prefill_time: Some(prefill.elapsed(now)),
+            resumed_at: now,
+            unread_kv: None,
+            prompt_usage: None,
+            stream_usage: false,
+            prompt_logprobs: None,
+            answer: AnswerRewrite::Untouched,
+        };
+        commands
+    }
+
+    /// A request decode serves alone, as the operator chose for it: no prefill is called,
+    /// and decode computes the prompt itself.
+    fn decode_alone(
+        &mut self,
+        api: Api,
+        body: &[u8],
+        decode: &DecodePlan,
+        now: SystemTime,
+    ) -> Vec<Command> {
+        log::debug!(
+            "[{}] several prompts in one request: decode serves it alone",
+            self.request_id
+        );
+        let mut commands = vec![Command::Record(Metric::Request(api, Outcome::DecodeOnly))];
+        if let Some(without_kv) = decode.body_without_kv(body) {
+            commands.push(Command::ReplaceRequestBody {
+                body: without_kv,
+                replaced_len: body.len(),
+            });
+        }
+        self.state = State::Decoding {
+            prefill_time: None,
             resumed_at: now,
             unread_kv: None,
             prompt_usage: None,

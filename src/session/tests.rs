@@ -1025,6 +1025,60 @@ fn a_call_that_cannot_be_sent_is_503_without_retry() {
 }
 
 #[test]
+fn several_prompts_go_to_decode_alone_where_the_operator_says_so() {
+    let body = r#"{"prompt":["one","two"],"max_tokens":5,"stream":true,"kv_transfer_params":{"remote_host":"6.6.6.6"}}"#;
+    // By default they are refused: no client reaches decode without prefill.
+    let mut s = session("");
+    let step = send(&mut s, &post("/v1/completions"), body);
+    assert_eq!(reply(&step.commands).0, 400);
+
+    let mut s = session(r#"{"several_prompts":"decode_only"}"#);
+    let step = send(&mut s, &post("/v1/completions"), body);
+    assert_eq!(step.flow, Flow::Continue, "{:?}", step.commands);
+    assert!(
+        !step
+            .commands
+            .iter()
+            .any(|c| matches!(c, Command::DispatchPrefill(_) | Command::SendReply(_))),
+        "{:?}",
+        step.commands
+    );
+    // Decode gets the client's body, but for the client's kv_transfer_params.
+    assert_eq!(
+        replaced_body(body, &step.commands).unwrap(),
+        serde_json::json!({"prompt":["one","two"],"max_tokens":5,"stream":true})
+    );
+    assert_eq!(
+        metrics(&step.commands),
+        vec![Metric::Request(Api::Completions, Outcome::DecodeOnly)]
+    );
+    // Decode's answer goes to the client as decode wrote it.
+    let step = s.on_response_headers(&ResponseHead {
+        content_type: Some("text/event-stream"),
+        ..upstream(200)
+    });
+    assert!(!has_reply(&step.commands), "{:?}", step.commands);
+    let chunk = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\n";
+    assert!(matches!(
+        s.on_response_body(chunk.len(), false),
+        BodyStep::Step(_)
+    ));
+
+    // A single prompt is orchestrated as ever; so are other APIs' lists.
+    for (path, one) in [
+        ("/v1/completions", r#"{"prompt":["one"],"max_tokens":5}"#),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        ),
+    ] {
+        let mut s = session(r#"{"several_prompts":"decode_only"}"#);
+        let step = send(&mut s, &post(path), one);
+        dispatched(&step.commands);
+    }
+}
+
+#[test]
 fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
     let body =
         r#"{"prompt":"x","kv_transfer_params":{"remote_host":"6.6.6.6","do_remote_prefill":true}}"#;

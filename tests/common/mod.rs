@@ -141,6 +141,14 @@ pub const LISTENERS: &[Listener] = &[
         ..plain("tight_buffer", r#"{"max_request_body_bytes":65536}"#)
     },
     plain("usage_decode", r#"{"usage":"decode"}"#),
+    // Several prompts in one completions request are decode's alone (tests/pd_flow.rs).
+    Listener {
+        allow_on_headers_stop_iteration: true,
+        ..plain(
+            "batches",
+            r#"{"several_prompts":"decode_only","hold_request_headers":true}"#,
+        )
+    },
     // Prefill gets the client's tool_choice (tests/pd_flow.rs).
     plain(
         "tool_choice_as_sent",
