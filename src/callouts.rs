@@ -19,6 +19,18 @@ pub enum Job<R> {
     Release(HttpCall),
 }
 
+/// What a worker had still to do, by kind.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Unfinished {
+    /// KV releases not sent yet: queued for the worker's turn, waiting for a slot, or waiting
+    /// to be sent again after decode could not be reached.
+    pub releases_unsent: usize,
+    /// KV releases sent and not answered.
+    pub releases_in_flight: usize,
+    /// Prefill calls queued or not answered.
+    pub prefills: usize,
+}
+
 /// Whose answer a token is.
 pub enum Caller<R> {
     Prefill(R),
@@ -384,6 +396,35 @@ impl<R> Callouts<R> {
         !self.retries.is_empty()
     }
 
+    /// What is left to do: what a worker loses when Envoy ends its VM.
+    pub fn unfinished(&self) -> Unfinished {
+        let queued_releases = self
+            .jobs
+            .iter()
+            .filter(|job| matches!(job, Job::Release(_)))
+            .count();
+        let queued_prefills = self
+            .jobs
+            .iter()
+            .filter(|job| matches!(job, Job::Prefill(..)))
+            .count();
+        let releases_in_flight = self
+            .calls
+            .values()
+            .filter(|caller| matches!(caller, Caller::Release { .. }))
+            .count();
+        let prefills_in_flight = self
+            .calls
+            .values()
+            .filter(|caller| matches!(caller, Caller::Prefill(_)))
+            .count();
+        Unfinished {
+            releases_unsent: queued_releases + self.waiting.len() + self.retries.len(),
+            releases_in_flight,
+            prefills: queued_prefills + prefills_in_flight,
+        }
+    }
+
     /// Whether no call is queued, in flight, waiting for a slot or to be sent again.
     pub fn is_idle(&self) -> bool {
         self.jobs.is_empty()
@@ -439,6 +480,36 @@ mod tests {
         );
         assert!(matches!(callouts.wake_failed(), Some(Job::Release(_))));
         assert!(callouts.next_job().is_none());
+    }
+
+    #[test]
+    fn what_is_left_to_do_is_told_by_kind() {
+        let mut callouts: Callouts<&str> = Callouts::default();
+        callouts.set_release_bound(1, HeldBytes::new(0));
+        assert_eq!(callouts.unfinished(), Unfinished::default());
+        callouts.queue(Job::Prefill("a", call()));
+        callouts.queue(Job::Release(call()));
+        callouts.prefill_sent(1, "b");
+        // One release in flight, one waiting for its slot, one to be sent again.
+        assert_eq!(
+            callouts.begin_release(&call(), first(), T0).0,
+            ReleaseStart::Send
+        );
+        callouts.release_went_out(2, &call(), first());
+        assert_eq!(
+            callouts.begin_release(&call(), first(), T0).0,
+            ReleaseStart::Waits
+        );
+        let retry = callouts.retry_for(&call(), first()).ok().unwrap();
+        assert!(callouts.retry_later(retry, T0).is_ok());
+        assert_eq!(
+            callouts.unfinished(),
+            Unfinished {
+                releases_unsent: 3,
+                releases_in_flight: 1,
+                prefills: 2,
+            }
+        );
     }
 
     #[test]

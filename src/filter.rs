@@ -28,7 +28,7 @@
 
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
@@ -51,12 +51,22 @@ use crate::session::{
     PrefillHead, ResponseHead, Session, Step, FILTER_RAN_FILTER_STATE,
 };
 use crate::stats::Stats;
+use crate::vm_roots::VmRoots;
+
+thread_local! {
+    /// This VM's configured roots (one VM per worker thread, so one count per VM).
+    static VM_ROOTS: RefCell<VmRoots> = RefCell::new(VmRoots::default());
+    /// The workers of this VM's roots that Envoy is done with and that finish their calls
+    /// first: they go with the VM when its last root is done.
+    static FINISHING: RefCell<Vec<Weak<Worker>>> = const { RefCell::new(Vec::new()) };
+}
 
 proxy_wasm::main! {{
     logger::install(LogLevel::Info);
     proxy_wasm::set_root_context(|root_id| -> Box<dyn RootContext> {
         Box::new(PdRoot {
             config: None,
+            counted: false,
             held: HeldBytes::new(0),
             abandoned: AbandonedPrefills::default(),
             worker: Rc::new(Worker::new(root_id)),
@@ -66,6 +76,8 @@ proxy_wasm::main! {{
 
 struct PdRoot {
     config: Option<Rc<Config>>,
+    /// Counted among the VM's configured roots ([`VM_ROOTS`]).
+    counted: bool,
     /// What this VM's requests hold in it, against `max_vm_held_bytes`.
     held: HeldBytes,
     /// This VM's prefill calls still running after their clients left, by client.
@@ -220,6 +232,30 @@ impl Worker {
         }
         if let Err(status) = host::done() {
             log::warn!("proxy_done: status {status}");
+        }
+    }
+
+    /// Envoy ends this VM with calls left (README, "Releasing KV"): releases not sent are
+    /// dropped, and the log says what went.
+    fn lost_with_the_vm(&self) {
+        if self.callouts.borrow().is_idle() {
+            return;
+        }
+        let unfinished = self.callouts.borrow().unfinished();
+        log::warn!(
+            "Envoy is ending this VM (its listener was removed, or the new configuration \
+             needs another VM: another vm_config or code): {} KV releases still to send are \
+             lost, {} sent are cut before their answer, and {} prefill calls are cut; prefill \
+             keeps the KV of the releases until its own timeout",
+            unfinished.releases_unsent,
+            unfinished.releases_in_flight,
+            unfinished.prefills
+        );
+        for _ in 0..unfinished.releases_unsent {
+            self.record(Metric::KvReleaseDropped);
+        }
+        if self.ticking.replace(false) {
+            let _ = host::set_tick_period(Duration::ZERO);
         }
     }
 
@@ -774,10 +810,28 @@ impl Context for PdRoot {
     /// Envoy drops the plugin's root when its configuration goes (a new one pushed, the
     /// listener drained), and with it every KV release still waiting: the root stays until
     /// they have gone out or passed the lease, about 30 s at most, plus their timeouts.
+    /// Where it is the VM's last root, Envoy ends the VM with it at once, and what it still
+    /// had to send is lost: said in the log and counted.
     fn on_done(&mut self) -> bool {
+        let last_in_vm =
+            std::mem::take(&mut self.counted) && VM_ROOTS.with(|roots| roots.borrow_mut().done());
+        if last_in_vm {
+            let finishing =
+                FINISHING.with(|finishing| std::mem::take(&mut *finishing.borrow_mut()));
+            for worker in finishing.iter().filter_map(Weak::upgrade) {
+                worker.lost_with_the_vm();
+            }
+            self.worker.lost_with_the_vm();
+            return true;
+        }
         if self.worker.callouts.borrow().is_idle() {
             return true;
         }
+        FINISHING.with(|finishing| {
+            let mut finishing = finishing.borrow_mut();
+            finishing.retain(|worker| worker.strong_count() > 0);
+            finishing.push(Rc::downgrade(&self.worker));
+        });
         log::info!("pd-filter configuration replaced: finishing its KV releases first");
         self.worker.finishing.set(true);
         false
@@ -831,6 +885,9 @@ impl RootContext for PdRoot {
                 *self.worker.decode_outages.borrow_mut() =
                     DecodeOutages::new(config.decode_outage_retry);
                 self.config = Some(Rc::new(config));
+                if !std::mem::replace(&mut self.counted, true) {
+                    VM_ROOTS.with(|roots| roots.borrow_mut().configured());
+                }
                 true
             }
             Err(error) => {

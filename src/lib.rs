@@ -4,7 +4,7 @@
 //! [`session`] (one request's state machine), [`callouts`] (a worker's calls, which outlive
 //! requests), [`protocol`] (the P/D protocol by job),
 //! [`config`], [`headers`], [`held_bytes`], [`held_headers_check`], [`abandoned`],
-//! [`decode_outage`], [`request_id`], [`json`], [`log_budget`] and [`api`]. `filter`, `host`, `logger` and
+//! [`decode_outage`], [`vm_roots`], [`request_id`], [`json`], [`log_budget`] and [`api`]. `filter`, `host`, `logger` and
 //! `stats` are the thin adapter to the proxy-wasm host; they are only built for wasm32 and
 //! left out of test builds, so that the unit tests also run as wasm32 (under Node's WASI).
 
@@ -35,6 +35,7 @@ pub mod log_budget;
 pub mod protocol;
 pub mod request_id;
 pub mod session;
+pub mod vm_roots;
 
 #[cfg(all(target_arch = "wasm32", not(test)))]
 mod filter;
