@@ -59,6 +59,9 @@ thread_local! {
     /// The workers of this VM's roots that Envoy is done with and that finish their calls
     /// first: they go with the VM when its last root is done.
     static FINISHING: RefCell<Vec<Weak<Worker>>> = const { RefCell::new(Vec::new()) };
+    /// What this VM's requests hold in it, whichever root they came through: each root's
+    /// `max_vm_held_bytes` bounds the VM's total.
+    static VM_HELD: HeldBytes = HeldBytes::new(0);
 }
 
 proxy_wasm::main! {{
@@ -873,10 +876,13 @@ impl RootContext for PdRoot {
                 } else {
                     log::debug!("{summary}");
                 }
-                self.held = HeldBytes::with_room_for_small(
-                    config.max_vm_held_bytes,
-                    config.max_request_body_bytes,
-                );
+                self.held = VM_HELD.with(|vm| {
+                    HeldBytes::with_room_for_small(
+                        config.max_vm_held_bytes,
+                        config.max_request_body_bytes,
+                    )
+                    .counting_with(vm)
+                });
                 self.worker
                     .callouts
                     .borrow_mut()

@@ -42,6 +42,15 @@ impl HeldBytes {
         }
     }
 
+    /// This budget over the bytes `other` counts: the VM's other roots (listeners with
+    /// another configuration, a configuration being replaced) hold bytes in the same VM.
+    pub fn counting_with(self, other: &HeldBytes) -> HeldBytes {
+        HeldBytes {
+            held: Rc::clone(&other.held),
+            ..self
+        }
+    }
+
     /// Room for `bytes` more, given back when the reservation is dropped; `None` when the
     /// budget has no such room.
     pub fn reserve(&self, bytes: usize) -> Option<Reservation> {
@@ -87,6 +96,18 @@ impl Drop for Reservation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn budgets_of_one_vm_count_each_others_bytes() {
+        let vm = HeldBytes::new(0);
+        let old = HeldBytes::new(10).counting_with(&vm);
+        let new = HeldBytes::new(10).counting_with(&vm);
+        let held = old.reserve(7).unwrap();
+        assert!(new.reserve(4).is_none(), "the VM holds 7 of 10 already");
+        assert_eq!(new.held(), 7);
+        drop(held);
+        assert!(new.reserve(10).is_some());
+    }
 
     #[test]
     fn reservations_count_until_dropped() {

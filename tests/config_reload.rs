@@ -30,8 +30,12 @@ struct Dynamic {
     dir: PathBuf,
     child: Child,
     admin_port: u16,
+    /// The port of `openai`, the first listener.
     listener_port: u16,
+    listener_ports: Vec<(String, u16)>,
     prefill: MockServer,
+    /// A decode that answers, where the test asks for one; else decode's port is closed.
+    _decode: Option<MockServer>,
 }
 
 impl Drop for Dynamic {
@@ -55,12 +59,26 @@ fn closed_port() -> u16 {
 }
 
 fn listener_yaml(port: u16, vm_id: &str, plugin_config: &str) -> String {
+    lds_yaml(&[("openai", port, plugin_config)], vm_id)
+}
+
+/// Listeners, each running the filter with its own plugin configuration, in VMs of `vm_id`
+/// (one VM per worker, shared by the listeners; Envoy gives each configuration a root of
+/// its own there, and one root to listeners whose configurations are the same).
+fn lds_yaml(listeners: &[(&str, u16, &str)], vm_id: &str) -> String {
     let wasm = wasm_path();
-    format!(
-        r#"version_info: "{vm_id}-{port}"
-resources:
-  - "@type": type.googleapis.com/envoy.config.listener.v3.Listener
-    name: openai
+    let ports: Vec<String> = listeners
+        .iter()
+        .map(|(_, port, _)| port.to_string())
+        .collect();
+    let mut text = format!(
+        "version_info: \"{vm_id}-{}\"\nresources:\n",
+        ports.join("-")
+    );
+    for (name, port, plugin_config) in listeners {
+        text.push_str(&format!(
+            r#"  - "@type": type.googleapis.com/envoy.config.listener.v3.Listener
+    name: {name}
     address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
     filter_chains:
       - filters:
@@ -95,8 +113,10 @@ resources:
                   typed_config:
                     "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
 "#,
-        wasm = wasm.display()
-    )
+            wasm = wasm.display()
+        ));
+    }
+    text
 }
 
 /// Replaces the listener file at once (a rename), as the watched directory wants.
@@ -122,6 +142,17 @@ fn cluster(name: &str, port: u16) -> String {
 
 impl Dynamic {
     async fn start(label: &str, vm_id: &str, plugin_config: &str) -> Dynamic {
+        Dynamic::start_with(label, &[("openai", plugin_config)], vm_id, false).await
+    }
+
+    /// `listeners`, each with its plugin configuration, share the VMs of `vm_id`; with
+    /// `decode_up` a mock decode answers.
+    async fn start_with(
+        label: &str,
+        listeners: &[(&str, &str)],
+        vm_id: &str,
+        decode_up: bool,
+    ) -> Dynamic {
         let ports = fixed_ports();
         let prefill_addr = format!("127.0.0.1:{}", ports.map_or(0, |base| base + 2));
         let prefill = MockServer::start(Role::Prefill, &prefill_addr)
@@ -132,8 +163,30 @@ impl Dynamic {
             .join(format!("reload-{label}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("lds")).expect("test dir");
-        let listener_port = ports.map_or(0, |base| base + 1);
-        write_lds(&dir, &listener_yaml(listener_port, vm_id, plugin_config));
+        // Listener ports: N+1 for the first, N+4 and up for the others.
+        let named: Vec<(&str, u16, &str)> = listeners
+            .iter()
+            .enumerate()
+            .map(|(i, (name, plugin_config))| {
+                let port = ports.map_or(0, |base| match i {
+                    0 => base + 1,
+                    i => base + 3 + i as u16,
+                });
+                (*name, port, *plugin_config)
+            })
+            .collect();
+        write_lds(&dir, &lds_yaml(&named, vm_id));
+        let decode = if decode_up {
+            let addr = format!("127.0.0.1:{}", ports.map_or(0, |base| base + 3));
+            Some(
+                MockServer::start(Role::Decode, &addr)
+                    .await
+                    .expect("mock decode"),
+            )
+        } else {
+            None
+        };
+        let decode_port = decode.as_ref().map_or_else(closed_port, MockServer::port);
         let bootstrap = format!(
             r#"admin:
   address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}
@@ -149,7 +202,7 @@ static_resources:
 "#,
             admin = ports.unwrap_or(0),
             prefill = cluster("prefill", prefill.port()),
-            decode = cluster("decode", closed_port()),
+            decode = cluster("decode", decode_port),
             lds = dir.join("lds/lds.yaml").display(),
             lds_dir = dir.join("lds").display(),
         );
@@ -186,18 +239,34 @@ static_resources:
                     std::fs::read_to_string(&log_path).unwrap_or_default()
                 );
             }
-            if let Some((admin_port, listener_port)) = ports_of(&admin_path) {
+            if let Some((admin_port, listener_ports)) = ports_of(&admin_path, listeners.len()) {
+                let listener_port = listener_ports
+                    .iter()
+                    .find(|(name, _)| name == "openai")
+                    .map_or(0, |(_, port)| *port);
                 return Dynamic {
                     dir,
                     child,
                     admin_port,
                     listener_port,
+                    listener_ports,
                     prefill,
+                    _decode: decode,
                 };
             }
             assert!(Instant::now() < deadline, "envoy did not come up");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    fn url(&self, listener: &str, path: &str) -> String {
+        let port = self
+            .listener_ports
+            .iter()
+            .find(|(name, _)| name == listener)
+            .map(|(_, port)| *port)
+            .unwrap_or_else(|| panic!("no listener {listener}"));
+        format!("http://127.0.0.1:{port}{path}")
     }
 
     fn log(&self) -> String {
@@ -271,15 +340,19 @@ static_resources:
     }
 }
 
-/// The admin and listener ports, once the listener is up.
-fn ports_of(admin_path: &Path) -> Option<(u16, u16)> {
+/// The admin port and the listeners' ports, once `count` listeners are up.
+fn ports_of(admin_path: &Path, count: usize) -> Option<(u16, Vec<(String, u16)>)> {
     let admin = std::fs::read_to_string(admin_path).ok()?;
     let admin_port: u16 = admin.trim().rsplit(':').next()?.parse().ok()?;
     let text = http_get(admin_port, "/listeners?format=json")?;
     let value: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let status = value["listener_statuses"].as_array()?.first()?;
-    let port = status["local_address"]["socket_address"]["port_value"].as_u64()?;
-    Some((admin_port, u16::try_from(port).ok()?))
+    let mut ports = Vec::new();
+    for status in value["listener_statuses"].as_array()? {
+        let name = status["name"].as_str()?.to_owned();
+        let port = status["local_address"]["socket_address"]["port_value"].as_u64()?;
+        ports.push((name, u16::try_from(port).ok()?));
+    }
+    (ports.len() == count).then_some((admin_port, ports))
 }
 
 /// Waits until the log shows `line`, or the time is up.
@@ -406,4 +479,57 @@ async fn releases_of_a_finishing_root_lost_with_the_vm_are_counted() {
     let ledger = envoy.prefill.kv_ledger();
     assert_eq!((ledger.issued, ledger.stranded), (4, 4), "{ledger:?}");
     assert_eq!(envoy.dropped(), 4, "{}", envoy.log());
+}
+
+/// `max_vm_held_bytes` bounds what a worker's VM holds, whatever the roots in it: two
+/// listeners whose filters share a VM (one `vm_id`), or a listener and the one it replaces
+/// while the old drains, each have a root, and each root counted only its own requests, so
+/// that the VM could hold the budget once per root (README: "what the requests of one Envoy
+/// worker may hold in the filter's wasm VM at once").
+#[tokio::test]
+async fn the_vms_budget_holds_for_every_root_in_the_vm() {
+    // Two configurations (the same budget), so two roots in the one worker's VM.
+    let config = r#"{"max_request_body_bytes":1048576,"max_vm_held_bytes":2097152}"#;
+    let other = r#"{"max_request_body_bytes":1048576,"max_vm_held_bytes":2097152,"prefill_timeout_ms":60000}"#;
+    let envoy = Dynamic::start_with(
+        "budget",
+        &[("openai", config), ("openai-b", other)],
+        "pd-filter",
+        true,
+    )
+    .await;
+    // Prompt logprobs of a 14,000-token prompt (about 0.9 MB), held in the VM until decode
+    // answers: large holdings may fill three quarters of a worker's 2 MiB, room for one.
+    let words: Vec<String> = (0..14_000).map(|i| format!("w{i}")).collect();
+    let prompt = format!("{} mock:decode_delay_ms=1500", words.join(" "));
+    let body =
+        serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 3, "prompt_logprobs": 1})
+            .to_string();
+    let client = reqwest::Client::new();
+    let mut replies = Vec::new();
+    for listener in [
+        "openai", "openai", "openai", "openai-b", "openai-b", "openai-b",
+    ] {
+        let request = client
+            .post(envoy.url(listener, "/v1/completions"))
+            .header("content-type", "application/json")
+            .body(body.clone())
+            .timeout(Duration::from_secs(20))
+            .send();
+        replies.push(tokio::spawn(async move {
+            let reply = request.await.expect("an answer");
+            let status = reply.status().as_u16();
+            (status, reply.text().await.unwrap_or_default())
+        }));
+    }
+    let mut served = 0;
+    for reply in replies {
+        let (status, text) = reply.await.expect("client");
+        match status {
+            200 => served += 1,
+            503 => assert!(text.contains("max_vm_held_bytes"), "{text}"),
+            status => panic!("{status}: {}", &text[..text.len().min(300)]),
+        }
+    }
+    assert_eq!(served, 1, "one worker's VM held more than its budget");
 }
