@@ -27,6 +27,16 @@ impl AbandonedPrefills {
         }
     }
 
+    /// This limit over the counts `other` keeps: the VM's other roots (listeners with
+    /// another configuration, a configuration being replaced) run prefill calls on the same
+    /// worker.
+    pub fn counting_with(self, other: &AbandonedPrefills) -> AbandonedPrefills {
+        AbandonedPrefills {
+            running: Rc::clone(&other.running),
+            ..self
+        }
+    }
+
     /// Whether client addresses are wanted at all.
     pub fn is_limited(&self) -> bool {
         self.limit > 0
@@ -106,6 +116,18 @@ pub fn client_key(source_address: &[u8]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn limits_of_one_vm_count_each_others_prefills() {
+        let vm = AbandonedPrefills::default();
+        let old = AbandonedPrefills::new(2).counting_with(&vm);
+        let new = AbandonedPrefills::new(2).counting_with(&vm);
+        let _first = old.mark("10.0.0.1");
+        let second = old.mark("10.0.0.1");
+        assert!(!new.admits("10.0.0.1"), "two run on the worker already");
+        drop(second);
+        assert!(new.admits("10.0.0.1"));
+    }
 
     #[test]
     fn a_client_is_refused_at_its_limit_until_one_of_its_prefills_ends() {

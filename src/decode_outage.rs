@@ -66,6 +66,15 @@ impl DecodeOutages {
         }
     }
 
+    /// This period over the outages `other` has seen: the VM's other roots (listeners with
+    /// another configuration, a configuration being replaced) send to the same pools.
+    pub fn counting_with(self, other: &DecodeOutages) -> DecodeOutages {
+        DecodeOutages {
+            runs: Rc::clone(&other.runs),
+            ..self
+        }
+    }
+
     pub fn is_on(&self) -> bool {
         !self.retry.is_zero()
     }
@@ -198,6 +207,22 @@ mod tests {
         assert_eq!(outages.admit("m", at(2250)), Ok(()));
         assert_eq!(outages.admit("m", at(2251)), Ok(()));
         assert_eq!(outages.followed(), 0);
+    }
+
+    #[test]
+    fn roots_of_one_vm_see_each_others_outages() {
+        let vm = DecodeOutages::default();
+        let old = DecodeOutages::new(RETRY).counting_with(&vm);
+        let new = DecodeOutages::new(RETRY).counting_with(&vm);
+        for ms in [0, 60, 120] {
+            old.connect_failed("m", at(ms));
+        }
+        assert!(
+            new.admit("m", at(130)).is_err(),
+            "the pool is down for the worker"
+        );
+        new.reached("m");
+        assert_eq!(old.admit("m", at(140)), Ok(()));
     }
 
     #[test]

@@ -62,6 +62,10 @@ thread_local! {
     /// What this VM's requests hold in it, whichever root they came through: each root's
     /// `max_vm_held_bytes` bounds the VM's total.
     static VM_HELD: HeldBytes = HeldBytes::new(0);
+    /// The VM's prefill calls running on after their clients left, and the decode pools
+    /// Envoy cannot connect to, whichever root they came through: per worker, as documented.
+    static VM_ABANDONED: AbandonedPrefills = AbandonedPrefills::default();
+    static VM_DECODE_OUTAGES: DecodeOutages = DecodeOutages::default();
 }
 
 proxy_wasm::main! {{
@@ -887,9 +891,12 @@ impl RootContext for PdRoot {
                     .callouts
                     .borrow_mut()
                     .set_release_bound(config.max_kv_releases_in_flight, self.held.clone());
-                self.abandoned = AbandonedPrefills::new(config.max_abandoned_prefills_per_client);
-                *self.worker.decode_outages.borrow_mut() =
-                    DecodeOutages::new(config.decode_outage_retry);
+                self.abandoned = VM_ABANDONED.with(|vm| {
+                    AbandonedPrefills::new(config.max_abandoned_prefills_per_client)
+                        .counting_with(vm)
+                });
+                *self.worker.decode_outages.borrow_mut() = VM_DECODE_OUTAGES
+                    .with(|vm| DecodeOutages::new(config.decode_outage_retry).counting_with(vm));
                 self.config = Some(Rc::new(config));
                 if !std::mem::replace(&mut self.counted, true) {
                     VM_ROOTS.with(|roots| roots.borrow_mut().configured());

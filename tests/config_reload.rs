@@ -533,3 +533,106 @@ async fn the_vms_budget_holds_for_every_root_in_the_vm() {
     }
     assert_eq!(served, 1, "one worker's VM held more than its budget");
 }
+
+/// A POST of `prompt` to `listener` from `id`: its status, or `None` when the client left
+/// after `patience`.
+async fn post(
+    envoy: &Dynamic,
+    listener: &str,
+    id: &str,
+    prompt: &str,
+    patience: Duration,
+) -> Option<u16> {
+    let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 3}).to_string();
+    reqwest::Client::new()
+        .post(envoy.url(listener, "/v1/completions"))
+        .header("content-type", "application/json")
+        .header("x-request-id", id)
+        .body(body)
+        .timeout(patience)
+        .send()
+        .await
+        .ok()
+        .map(|reply| reply.status().as_u16())
+}
+
+/// `max_abandoned_prefills_per_client` counts a client's prefills on the worker, whichever
+/// root (listener configuration) they came through.
+#[tokio::test]
+async fn abandoned_prefills_count_for_every_root_in_the_vm() {
+    let config = r#"{"max_abandoned_prefills_per_client":2,"hold_request_headers":true}"#;
+    let other = r#"{"max_abandoned_prefills_per_client":2,"hold_request_headers":true,"prefill_timeout_ms":60000}"#;
+    let envoy = Dynamic::start_with(
+        "abandoned",
+        &[("openai", config), ("openai-b", other)],
+        "pd-filter",
+        false,
+    )
+    .await;
+    for i in 0..2 {
+        let id = format!("abandons-{i}");
+        let left = post(
+            &envoy,
+            "openai",
+            &id,
+            "mock:prefill_delay_ms=4000",
+            Duration::from_millis(200),
+        )
+        .await;
+        assert_eq!(left, None, "answered within 200 ms");
+    }
+    let status = post(
+        &envoy,
+        "openai-b",
+        "after-abandons",
+        "hello",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert_eq!(
+        status,
+        Some(429),
+        "two prefills of this client run on the worker"
+    );
+    assert!(envoy.prefill.requests_with_id("after-abandons").is_empty());
+}
+
+/// A decode pool Envoy cannot connect to is refused before prefill for the worker,
+/// whichever root (listener configuration) saw the failures.
+#[tokio::test]
+async fn a_decode_outage_holds_for_every_root_in_the_vm() {
+    let config = r#"{"hold_request_headers":true}"#;
+    let other = r#"{"hold_request_headers":true,"prefill_timeout_ms":60000}"#;
+    let envoy = Dynamic::start_with(
+        "outage",
+        &[("openai", config), ("openai-b", other)],
+        "pd-filter",
+        false,
+    )
+    .await;
+    for i in 0..3 {
+        let status = post(
+            &envoy,
+            "openai",
+            &format!("outage-{i}"),
+            "hello",
+            Duration::from_secs(5),
+        )
+        .await;
+        assert_eq!(status, Some(503), "decode cannot be reached");
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    let status = post(
+        &envoy,
+        "openai-b",
+        "after-outage",
+        "hello",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert_eq!(status, Some(503));
+    assert!(
+        envoy.prefill.requests_with_id("after-outage").is_empty(),
+        "a prefill spent on a request for a decode pool the worker cannot reach"
+    );
+}
