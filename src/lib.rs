@@ -4,9 +4,10 @@
 //! [`session`] (one request's state machine), [`callouts`] (a worker's calls, which outlive
 //! requests), [`protocol`] (the P/D protocol by job),
 //! [`config`], [`headers`], [`held_bytes`], [`held_headers_check`], [`abandoned`],
-//! [`decode_outage`], [`vm_roots`], [`request_id`], [`json`], [`log_budget`] and [`api`]. `filter`, `host`, `logger` and
-//! `stats` are the thin adapter to the proxy-wasm host; they are only built for wasm32 and
-//! left out of test builds, so that the unit tests also run as wasm32 (under Node's WASI).
+//! [`decode_outage`], [`vm_roots`], [`request_id`], [`json`], [`log_budget`] and [`api`].
+//! `filter`, `host`, `logger` and `stats` are the thin adapter to the proxy-wasm host; they
+//! are only built for wasm32 and left out of test builds, so that the unit tests also run as
+//! wasm32 (under Node's WASI).
 
 // What runs inside Envoy must not panic: a panic kills the VM for every later request.
 #![cfg_attr(
