@@ -109,6 +109,9 @@ pub(super) struct Prefill {
     /// tens of KB, and a request keeps them until its KV is known to be read.
     pub(super) headers_held: Reservation,
     pub(super) scheduled_hosts: Vec<SocketAddr>,
+    /// The scheduler-listed hosts that answered this request with a pause (a 503 with
+    /// `retry-after`): none of its later attempts goes to them.
+    pub(super) paused_hosts: Vec<SocketAddr>,
     /// Number of the attempt in flight, from 0.
     pub(super) attempt: u32,
     pub(super) started: SystemTime,
@@ -147,12 +150,13 @@ impl Prefill {
             .copied()
     }
 
-    /// Whether the next attempt goes to another scheduler-listed host than this one.
+    /// Whether the next attempt goes to another scheduler-listed host than this one, and
+    /// to none that asked this request for a pause.
     fn next_host_is_another(&self) -> bool {
         let count = self.scheduled_hosts.len();
         let next = (self.attempt as usize).wrapping_add(1).checked_rem(count);
         next.and_then(|next| self.scheduled_hosts.get(next))
-            .is_some_and(|next| Some(*next) != self.host())
+            .is_some_and(|next| Some(*next) != self.host() && !self.paused_hosts.contains(next))
     }
 
     fn elapsed(&self, now: SystemTime) -> Duration {
@@ -255,6 +259,7 @@ impl Session {
             prefill_headers: Rc::from(pending.prefill_headers),
             headers_held,
             scheduled_hosts: pending.scheduled_hosts,
+            paused_hosts: Vec::new(),
             attempt: 0,
             started: now,
         };
@@ -513,7 +518,7 @@ impl Session {
     /// A failed attempt: retried while retries and time are left, then the policy decides.
     pub(super) fn prefill_failed(
         &mut self,
-        prefill: Prefill,
+        mut prefill: Prefill,
         failure: PrefillFailure,
         now: SystemTime,
     ) -> Vec<Command> {
@@ -524,8 +529,16 @@ impl Session {
             .filter(|left| *left >= MIN_RETRY_BUDGET);
         // A prefill that asked for a pause (a 503 with `retry-after`) is not asked again at
         // once: only another scheduler-listed host is tried, and the client gets the advice.
+        // Nor is a host that asked for one earlier in the request, whatever the later hosts
+        // answer: the list is tried in turn, and would come back to it.
         let asked_to_wait = failure.error.retry_after_seconds.is_some_and(|s| s > 0);
-        let retry = failure.is_retryable() && (!asked_to_wait || prefill.next_host_is_another());
+        if let Some(host) = prefill.host().filter(|_| asked_to_wait) {
+            prefill.paused_hosts.push(host);
+        }
+        let another_host = prefill.next_host_is_another();
+        let back_to_a_paused_host = !prefill.paused_hosts.is_empty() && !another_host;
+        let retry =
+            failure.is_retryable() && (!asked_to_wait || another_host) && !back_to_a_paused_host;
         let Some(budget_left) =
             budget_left.filter(|_| retry && prefill.attempt < config.prefill_retries)
         else {

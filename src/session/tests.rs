@@ -3011,3 +3011,49 @@ fn while_envoy_cannot_connect_to_decode_requests_are_refused_before_prefill() {
     }
     dispatched(&chat_for(&outages, "m", 400).1);
 }
+
+/// A host that asked for a pause is not asked again within the same request: with two
+/// scheduler-listed hosts that both asked, the third attempt would go back to the first.
+#[test]
+fn a_host_that_asked_for_a_pause_is_not_tried_again_by_the_same_request() {
+    let busy = br#"{"error":{"message":"overloaded","type":"ServiceUnavailableError","code":503}}"#;
+    let body = r#"{"prompt":"x"}"#;
+    let config = r#"{"prefill_host_cluster":"dst","prefill_hosts_allowed":["10.0.0.0/8"],"prefill_retries":3}"#;
+    // The second host answers a pause too, or a 503 without one: neither sends the request
+    // back to the first host, which asked it to wait.
+    for second_asks_to_wait in [true, false] {
+        let mut s = session(config);
+        let hosts = [("x-prefiller-host-port", "10.0.0.1:8000,10.0.0.2:8000")];
+        send(&mut s, &headers("POST", "/v1/completions", &hosts), body);
+        s.on_prefill_dispatched(Some(1), at(0));
+        let pause = PrefillHead {
+            status: Some(503),
+            retry_after: Some("5"),
+        };
+        let mut commands = s.on_prefill_response(1, pause, busy, at(5));
+        if commands == [Command::ReadRequestBody] {
+            commands = s.on_request_body_reread(Some(body.as_bytes().to_vec()), at(5));
+        }
+        assert_eq!(
+            call_header(dispatched(&commands), ORIGINAL_DST_HEADER),
+            Some("10.0.0.2:8000")
+        );
+        s.on_prefill_dispatched(Some(2), at(6));
+        let second = PrefillHead {
+            status: Some(503),
+            retry_after: second_asks_to_wait.then_some("5"),
+        };
+        let mut commands = s.on_prefill_response(2, second, busy, at(10));
+        if commands == [Command::ReadRequestBody] {
+            commands = s.on_request_body_reread(Some(body.as_bytes().to_vec()), at(10));
+        }
+        assert!(
+            !commands
+                .iter()
+                .any(|c| matches!(c, Command::DispatchPrefill(_))),
+            "{second_asks_to_wait}: {commands:?}"
+        );
+        let (status, _) = reply(&commands);
+        assert_eq!(status, 503);
+    }
+}
