@@ -316,6 +316,32 @@ pub fn prepare_with(
             "Stream options can only be defined when `stream=True`.",
         ));
     }
+    let echoes = api == Api::Completions && echoes_prompt_logprobs(&object);
+    // What pydantic reads: whether the answer is streamed.
+    let streamed = object.is_true("stream");
+    let echo_in_a_stream =
+        echoes && streams && !object.last_value("stream").is_some_and(reads_false);
+    // An echo of the prompt alone (`max_tokens` 0, not streamed) generates nothing: prefill
+    // answers it as one vLLM would, even when the prompt fills the context, where a
+    // one-token copy would have no room left. `max_tokens` is read for echoes only.
+    let echo_max_tokens = (api == Api::Completions && object.is_true("echo"))
+        .then(|| max_tokens_as_read(&object))
+        .flatten();
+    let echoes_alone = echo_max_tokens == Some(0.0) && !streamed;
+    let at_most_one_token =
+        matches!(echo_max_tokens, Some(number) if number == 0.0 || number == 1.0);
+    let answered_by_prefill = (echoes && at_most_one_token) || echoes_alone;
+    // Decode serves a list alone as one vLLM would: none of the refusals below, made because
+    // prefill and decode would compute the request apart, applies to it. (Those that keep
+    // the client's `kv_transfer_params` from decode came first.)
+    // (A one-token echo list prefill answers alone goes to prefill, unless streamed.)
+    let prefill_answers_it = answered_by_prefill && !echo_in_a_stream;
+    let decode_alone_list = api == Api::Completions
+        && options.several_prompts == SeveralPrompts::DecodeOnly
+        && batches_prompts(&object);
+    if decode_alone_list && !prefill_answers_it {
+        return Ok(decode_alone(&object, json_start));
+    }
     if api == Api::ChatCompletions && object.is_true("echo") {
         // vLLM takes chat's echo as a request for prompt logprobs (at top_logprobs, 0 unless
         // given: vLLM 0.33 reads null as 0 too) unless prompt_logprobs are given, and decode
@@ -349,29 +375,16 @@ pub fn prepare_with(
              none of them; send the conversation's input instead, or `previous_response`",
         ));
     }
-    let echoes = api == Api::Completions && echoes_prompt_logprobs(&object);
-    // What pydantic reads: whether the answer is streamed.
-    let streamed = object.is_true("stream");
     // vLLM has no check of its own on the raw `stream` here: pydantic's reading decides
     // whether it streams, so a `stream` it reads as false (`"false"`, `"no"`, `"0"`) is
     // served as one answer.
-    if echoes && streams && !object.last_value("stream").is_some_and(reads_false) {
+    if echo_in_a_stream {
         return Err(ClientError::bad_request(
             "echo with logprobs cannot be served through prefill/decode disaggregation in a \
              stream: the echoed prompt's logprobs are computed on prefill, and decode's first \
              chunk would lack them; send the request without stream",
         ));
     }
-    // An echo of the prompt alone (`max_tokens` 0, not streamed) generates nothing: prefill
-    // answers it as one vLLM would, even when the prompt fills the context, where a
-    // one-token copy would have no room left. `max_tokens` is read for echoes only.
-    let echo_max_tokens = (api == Api::Completions && object.is_true("echo"))
-        .then(|| max_tokens_as_read(&object))
-        .flatten();
-    let echoes_alone = echo_max_tokens == Some(0.0) && !streamed;
-    let at_most_one_token =
-        matches!(echo_max_tokens, Some(number) if number == 0.0 || number == 1.0);
-    let answered_by_prefill = (echoes && at_most_one_token) || echoes_alone;
     let echo_from_prefill = echoes && !answered_by_prefill;
     if echo_from_prefill
         && object
@@ -405,9 +418,6 @@ pub fn prepare_with(
     // Prefill answers a one-token echo whole, without handing KV over: several prompts in
     // one are served as vLLM serves them (lm-eval batches its loglikelihood requests so).
     if api == Api::Completions && !answered_by_prefill && batches_prompts(&object) {
-        if options.several_prompts == SeveralPrompts::DecodeOnly {
-            return Ok(decode_alone(&object, json_start));
-        }
         return Err(ClientError::bad_request(
             "a list of several prompts (prompt_embeds beside a prompt count as two) cannot be \
              served through prefill/decode disaggregation: vLLM's prefill hands over the KV \

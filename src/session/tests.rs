@@ -3057,3 +3057,32 @@ fn a_host_that_asked_for_a_pause_is_not_tried_again_by_the_same_request() {
         assert_eq!(status, 503);
     }
 }
+
+/// Under `several_prompts: decode_only` a list goes to decode alone: what is refused only
+/// because prefill and decode would compute it apart (beam search, an echo with logprobs in
+/// a stream or beyond one token with `truncate_prompt_tokens: -1`, truncation to the
+/// context) is served, as one vLLM would serve it.
+#[test]
+fn a_list_decode_serves_alone_is_not_refused_for_prefills_sake() {
+    for body in [
+        r#"{"prompt":["one","two"],"max_tokens":5,"use_beam_search":true,"n":2}"#,
+        r#"{"prompt":["one","two"],"max_tokens":5,"echo":true,"logprobs":1,"stream":true}"#,
+        r#"{"prompt":["one","two"],"max_tokens":5,"truncate_prompt_tokens":-1}"#,
+        r#"{"prompt":["one","two"],"max_tokens":5,"echo":true,"logprobs":1,"truncate_prompt_tokens":-1}"#,
+    ] {
+        let mut s = session(r#"{"several_prompts":"decode_only"}"#);
+        let step = send(&mut s, &post("/v1/completions"), body);
+        assert_eq!(step.flow, Flow::Continue, "{body}: {:?}", step.commands);
+        assert_eq!(
+            metrics(&step.commands),
+            vec![Metric::Request(Api::Completions, Outcome::DecodeOnly)],
+            "{body}"
+        );
+    }
+    // The client's kv_transfer_params where vLLM also reads them are refused all the same.
+    let mut s = session(r#"{"several_prompts":"decode_only"}"#);
+    let body =
+        r#"{"prompt":["one","two"],"vllm_xargs":{"kv_transfer_params":{"remote_host":"6.6.6.6"}}}"#;
+    let step = send(&mut s, &post("/v1/completions"), body);
+    assert_eq!(reply(&step.commands).0, 400);
+}
