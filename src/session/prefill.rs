@@ -678,15 +678,35 @@ impl Session {
             Command::Record(Metric::Request(prefill.api, Outcome::DecodeOnly)),
         ];
         // Only a client body with `kv_transfer_params` changes, and that one is kept whole.
-        if let Some(body) = prefill.decode.body_without_kv(prefill.original.bytes()) {
+        let prefill_time = Some(prefill.elapsed(now));
+        commands.extend(self.decode_recomputes(
+            &prefill.decode,
+            prefill.original.bytes(),
+            prefill_time,
+            now,
+        ));
+        commands.push(Command::ResumeRequest);
+        commands
+    }
+
+    /// Decode computes the prompt itself: it gets the client's body without any
+    /// `kv_transfer_params` of the client's, and its answer goes to the client untouched.
+    fn decode_recomputes(
+        &mut self,
+        decode: &DecodePlan,
+        body: &[u8],
+        prefill_time: Option<Duration>,
+        now: SystemTime,
+    ) -> Vec<Command> {
+        let mut commands = Vec::new();
+        if let Some(without_kv) = decode.body_without_kv(body) {
             commands.push(Command::ReplaceRequestBody {
-                body,
-                replaced_len: prefill.original.bytes().len(),
+                body: without_kv,
+                replaced_len: body.len(),
             });
         }
-        commands.push(Command::ResumeRequest);
         self.state = State::Decoding {
-            prefill_time: Some(prefill.elapsed(now)),
+            prefill_time,
             resumed_at: now,
             unread_kv: None,
             prompt_usage: None,
@@ -711,21 +731,7 @@ impl Session {
             self.request_id
         );
         let mut commands = vec![Command::Record(Metric::Request(api, Outcome::DecodeOnly))];
-        if let Some(without_kv) = decode.body_without_kv(body) {
-            commands.push(Command::ReplaceRequestBody {
-                body: without_kv,
-                replaced_len: body.len(),
-            });
-        }
-        self.state = State::Decoding {
-            prefill_time: None,
-            resumed_at: now,
-            unread_kv: None,
-            prompt_usage: None,
-            stream_usage: false,
-            prompt_logprobs: None,
-            answer: AnswerRewrite::Untouched,
-        };
+        commands.extend(self.decode_recomputes(decode, body, None, now));
         commands
     }
 
