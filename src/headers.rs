@@ -9,6 +9,9 @@ pub trait HeaderLookup {
     /// The first value of header `name` (lower case, as Envoy keeps names).
     fn value(&self, name: &str) -> Option<&[u8]>;
 
+    /// Every value of header `name`, in the host's order (a header sent on several lines).
+    fn values(&self, name: &str) -> Vec<&[u8]>;
+
     /// The value as text; a value that is not UTF-8 counts as absent.
     fn text(&self, name: &str) -> Option<&str> {
         self.value(name)
@@ -22,11 +25,22 @@ impl HeaderLookup for [(String, Vec<u8>)] {
             .find(|(key, _)| key == name)
             .map(|(_, value)| value.as_slice())
     }
+
+    fn values(&self, name: &str) -> Vec<&[u8]> {
+        self.iter()
+            .filter(|(key, _)| key == name)
+            .map(|(_, value)| value.as_slice())
+            .collect()
+    }
 }
 
 impl HeaderLookup for Vec<(String, Vec<u8>)> {
     fn value(&self, name: &str) -> Option<&[u8]> {
         self.as_slice().value(name)
+    }
+
+    fn values(&self, name: &str) -> Vec<&[u8]> {
+        self.as_slice().values(name)
     }
 }
 
@@ -80,6 +94,13 @@ impl HeaderLookup for HeaderMap {
         self.pairs()
             .find(|(key, _)| *key == name.as_bytes())
             .map(|(_, value)| value)
+    }
+
+    fn values(&self, name: &str) -> Vec<&[u8]> {
+        self.pairs()
+            .filter(|(key, _)| *key == name.as_bytes())
+            .map(|(_, value)| value)
+            .collect()
     }
 }
 

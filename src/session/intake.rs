@@ -422,9 +422,13 @@ impl Session {
             ("accept-encoding".to_owned(), "identity".to_owned()),
             ("x-request-id".to_owned(), self.request_id.clone()),
         ];
+        // Every copy of a forwarded header, as decode gets them: a client's `baggage` or
+        // `tracestate` may come on several lines, each a part of the one list.
         for name in &self.config.forward_headers {
-            if let Some(value) = headers.text(name) {
-                prefill_headers.push((name.clone(), value.to_owned()));
+            for value in headers.values(name) {
+                if let Ok(value) = std::str::from_utf8(value) {
+                    prefill_headers.push((name.clone(), value.to_owned()));
+                }
             }
         }
         prefill_headers

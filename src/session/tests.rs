@@ -2433,6 +2433,24 @@ fn what_a_request_keeps_for_its_release_counts_and_a_huge_model_is_not_kept() {
     assert!(release.get("model").is_none(), "{release}");
 }
 
+#[test]
+fn every_copy_of_a_forwarded_header_goes_to_prefill() {
+    // Decode gets every line of a header sent on several; prefill got only the first.
+    let mut list = post("/v1/completions");
+    list.push(("baggage".to_owned(), b"a=1".to_vec()));
+    list.push(("baggage".to_owned(), b"b=2".to_vec()));
+    let mut s = session("");
+    let step = send(&mut s, &list, r#"{"prompt":"x","max_tokens":5}"#);
+    let call = dispatched(&step.commands);
+    let values: Vec<&str> = call
+        .headers
+        .iter()
+        .filter(|(name, _)| name == "baggage")
+        .map(|(_, value)| value.as_str())
+        .collect();
+    assert_eq!(values, ["a=1", "b=2"]);
+}
+
 /// A request from `address` counted among `abandoned`, through its headers: the session and
 /// the refusal, if any.
 fn from_client(abandoned: &AbandonedPrefills, address: &str) -> (Session, Option<Step>) {
