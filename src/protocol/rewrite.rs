@@ -423,7 +423,8 @@ pub fn prepare_with(
              served through prefill/decode disaggregation: vLLM's prefill hands over the KV \
              of the first prompt only, so the others' KV would wait on prefill until vLLM's \
              timeout; send one prompt per request (a list is served with echo, logprobs and \
-             max_tokens 0 or 1, which prefill answers alone)",
+             max_tokens 0 or 1, which prefill answers alone), or have the operator set \
+             several_prompts: decode_only, which serves lists on decode alone",
         ));
     }
     if api == Api::Generate {
