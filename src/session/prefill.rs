@@ -187,6 +187,38 @@ impl Prefill {
     }
 }
 
+/// The prefill stats of a request whose client left before prefill answered: its latency,
+/// and a failure's kind as the request would have counted it (not a 4xx, the client's own).
+fn abandoned_prefill_stats(
+    prefill: &Prefill,
+    status: Option<u16>,
+    answer: &PrefillAnswer,
+    config: &Config,
+    now: SystemTime,
+) -> Vec<Command> {
+    let answered = prefill.answered_by_prefill && matches!(status, Some(200..=299));
+    let (result, failure) = match answer {
+        _ if answered => (PrefillResult::Answered, None),
+        PrefillAnswer::KvTransferParams(_) => (PrefillResult::Kv, None),
+        PrefillAnswer::NoKvTransferParams(_) => {
+            (PrefillResult::NoKv, Some(FailureKind::NoKvTransferParams))
+        }
+        PrefillAnswer::Failed(failure) if failure.is_client_error() => {
+            (PrefillResult::Failed, None)
+        }
+        PrefillAnswer::Failed(_) if status.is_none() && prefill.deadline_passed(config, now) => {
+            (PrefillResult::Failed, Some(FailureKind::Timeout))
+        }
+        PrefillAnswer::Failed(failure) => (PrefillResult::Failed, Some(failure.kind)),
+    };
+    let mut commands = vec![Command::Record(Metric::PrefillLatency(
+        result,
+        prefill.elapsed(now),
+    ))];
+    commands.extend(failure.map(|kind| Command::Record(Metric::PrefillFailure(kind))));
+    commands
+}
+
 impl Session {
     pub(super) fn start_prefill(
         &mut self,
@@ -328,8 +360,12 @@ impl Session {
                 token: Some(t),
             } if t == token => {
                 self.state = State::Finished;
-                let PrefillAnswer::KvTransferParams(PrefillKv { kv, .. }) = read(body) else {
-                    return Vec::new();
+                let answer = read(body);
+                // The client left, but its prefill leg counts as any other in the prefill
+                // stats: a prefill outage whose clients give up first shows there too.
+                let mut commands = abandoned_prefill_stats(&prefill, status, &answer, &config, now);
+                let PrefillAnswer::KvTransferParams(PrefillKv { kv, .. }) = answer else {
+                    return commands;
                 };
                 log::debug!(
                     "[{}] the client left during prefill; releasing its KV",
@@ -337,7 +373,8 @@ impl Session {
                 );
                 let kv = prefill.reachable_kv(&config, kv);
                 let unread = prefill.into_unread_kv(&kv);
-                return self.release(&config, unread).into_iter().collect();
+                commands.extend(self.release(&config, unread));
+                return commands;
             }
             other => {
                 self.state = other;

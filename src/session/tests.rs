@@ -673,15 +673,86 @@ fn a_client_that_leaves_during_prefill_has_its_kv_released() {
     assert!(s.on_prefill_dispatched(Some(3), at(1)).is_empty());
     released(&s.on_prefill_answer(3, Some(200), prefill_ok().as_bytes(), at(2)));
 
-    // No KV, nothing to release; not configured, nothing released.
+    // No KV, nothing to release (its failure counted all the same); not configured,
+    // nothing released.
     let mut s = prefilling("");
     s.on_stream_done();
-    assert!(s.on_prefill_answer(1, Some(503), b"", at(2)).is_empty());
+    assert_eq!(
+        s.on_prefill_answer(1, Some(503), b"", at(2)),
+        vec![
+            Command::Record(Metric::PrefillLatency(
+                PrefillResult::Failed,
+                Duration::from_millis(2)
+            )),
+            Command::Record(Metric::PrefillFailure(FailureKind::Status)),
+        ]
+    );
     let mut s = prefilling(r#"{"release_kv_on_abandon":false}"#);
     s.on_stream_done();
-    assert!(s
-        .on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(2))
-        .is_empty());
+    assert_eq!(
+        s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(2)),
+        vec![Command::Record(Metric::PrefillLatency(
+            PrefillResult::Kv,
+            Duration::from_millis(2)
+        ))]
+    );
+}
+
+/// Every metric recorded, the prefill latency too.
+fn all_metrics(commands: &[Command]) -> Vec<Metric> {
+    commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Record(metric) => Some(*metric),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A prefill outage whose clients leave before `prefill_timeout_ms` shows in the prefill
+/// stats too, not only as abandoned requests: each leg counts as the request would have.
+#[test]
+fn the_prefill_legs_of_clients_that_left_are_counted() {
+    for (status, answer, kind, result) in [
+        (
+            Some(500),
+            &b"boom"[..],
+            Some(FailureKind::Status),
+            PrefillResult::Failed,
+        ),
+        (None, b"", Some(FailureKind::Reset), PrefillResult::Failed),
+        (
+            Some(504),
+            b"",
+            Some(FailureKind::Timeout),
+            PrefillResult::Failed,
+        ),
+        (
+            Some(200),
+            br#"{"id":"p"}"#,
+            Some(FailureKind::NoKvTransferParams),
+            PrefillResult::NoKv,
+        ),
+        // The client's own mistake is no prefill failure.
+        (
+            Some(400),
+            br#"{"error":{"message":"no"}}"#,
+            None,
+            PrefillResult::Failed,
+        ),
+    ] {
+        let mut s = prefilling("");
+        s.on_stream_done();
+        let commands = s.on_prefill_answer(1, status, answer, at(7));
+        let mut expected = vec![Metric::PrefillLatency(result, Duration::from_millis(7))];
+        expected.extend(kind.map(Metric::PrefillFailure));
+        assert_eq!(all_metrics(&commands), expected, "{status:?}");
+    }
+    // A reset at the deadline is prefill timing out, as for a client that stayed.
+    let mut s = prefilling(r#"{"prefill_timeout_ms":1000}"#);
+    s.on_stream_done();
+    let commands = s.on_prefill_answer(1, None, b"", at(1000));
+    assert!(metrics(&commands).contains(&Metric::PrefillFailure(FailureKind::Timeout)));
 }
 
 #[test]
@@ -1153,7 +1224,9 @@ fn answers_for_other_calls_or_gone_clients_change_nothing() {
         .is_empty());
     s.on_stream_done();
     let commands = s.on_prefill_answer(5, Some(200), prefill_ok().as_bytes(), at(2));
-    assert!(commands.iter().all(|c| matches!(c, Command::ReleaseKv(_))));
+    assert!(commands
+        .iter()
+        .all(|c| matches!(c, Command::ReleaseKv(_) | Command::Record(_))));
     assert!(s.on_prefill_dispatched(Some(6), at(3)).is_empty());
 }
 
