@@ -507,12 +507,9 @@ pub fn prepare_with(
 /// A request decode serves alone: its body as the client sent it, but for any
 /// `kv_transfer_params` of the client's.
 fn decode_alone(object: &JsonObject, json_start: usize) -> PreparedRequest {
-    let has_client_kv = object.has(KV_TRANSFER_PARAMS);
-    let edit = |edit: Edit| {
-        move |key: &str| match key {
-            KV_TRANSFER_PARAMS => edit,
-            _ => Edit::Keep,
-        }
+    let without_client_kv = |key: &str| match key {
+        KV_TRANSFER_PARAMS => Edit::Remove,
+        _ => Edit::Keep,
     };
     PreparedRequest {
         prefill_body: Vec::new(),
@@ -521,10 +518,13 @@ fn decode_alone(object: &JsonObject, json_start: usize) -> PreparedRequest {
             prompt_logprobs_from_prefill: false,
             echo_from_prefill: false,
             prompt_logprobs_copies: 1,
-            stream_usage_asked: object.is_set("stream_options"),
+            // Never read: decode gets no prefill KV, and its answer is not rewritten.
+            stream_usage_asked: false,
             first_member: None,
-            with_kv: object.splice(edit(Edit::Keep), &[]),
-            without_kv: has_client_kv.then(|| object.splice(edit(Edit::Remove), &[])),
+            with_kv: Splice::default(),
+            without_kv: object
+                .has(KV_TRANSFER_PARAMS)
+                .then(|| object.splice(without_client_kv, &[])),
         },
         model: model_of(object),
         answered_by_prefill: false,
