@@ -398,31 +398,23 @@ impl<R> Callouts<R> {
 
     /// What is left to do: what a worker loses when Envoy ends its VM.
     pub fn unfinished(&self) -> Unfinished {
-        let queued_releases = self
-            .jobs
-            .iter()
-            .filter(|job| matches!(job, Job::Release(_)))
-            .count();
-        let queued_prefills = self
-            .jobs
-            .iter()
-            .filter(|job| matches!(job, Job::Prefill(..)))
-            .count();
-        let releases_in_flight = self
-            .calls
-            .values()
-            .filter(|caller| matches!(caller, Caller::Release { .. }))
-            .count();
-        let prefills_in_flight = self
-            .calls
-            .values()
-            .filter(|caller| matches!(caller, Caller::Prefill(_)))
-            .count();
-        Unfinished {
-            releases_unsent: queued_releases + self.waiting.len() + self.retries.len(),
-            releases_in_flight,
-            prefills: queued_prefills + prefills_in_flight,
+        let mut unfinished = Unfinished {
+            releases_unsent: self.waiting.len() + self.retries.len(),
+            ..Unfinished::default()
+        };
+        for job in &self.jobs {
+            match job {
+                Job::Release(_) => unfinished.releases_unsent += 1,
+                Job::Prefill(..) => unfinished.prefills += 1,
+            }
         }
+        for caller in self.calls.values() {
+            match caller {
+                Caller::Release { .. } => unfinished.releases_in_flight += 1,
+                Caller::Prefill(_) => unfinished.prefills += 1,
+            }
+        }
+        unfinished
     }
 
     /// Whether no call is queued, in flight, waiting for a slot or to be sent again.
