@@ -36,6 +36,10 @@ pub enum DecodeRoute {
     /// To the `decode_outage` cluster, whose port is closed until a test starts a decode
     /// there ([`Harness::outage_decode_port`]).
     Outage,
+    /// To the same port through a cluster of its own (`decode_outage_passed`): a pool the
+    /// filter follows apart from `decode_outage`, whose outage another listener of the same
+    /// VM may have seen first.
+    OutageOwnPool,
     /// To a port that never completes a connection: Envoy gives up after its connect
     /// timeout (1 s), long after prefill answered.
     Blackholed,
@@ -210,10 +214,10 @@ pub const LISTENERS: &[Listener] = &[
         )
     },
     Listener {
-        decode_route: DecodeRoute::Outage,
+        decode_route: DecodeRoute::OutageOwnPool,
         ..plain(
             "decode_outage_passed",
-            r#"{"decode_outage_retry_ms":1000,"decode_cluster":"decode_outage"}"#,
+            r#"{"decode_outage_retry_ms":1000,"decode_cluster":"decode_outage_passed"}"#,
         )
     },
     Listener {
@@ -864,6 +868,7 @@ fn envoy_config(wasm: &Path, ports: &Ports) -> String {
         cluster_yaml("decode_held", "127.0.0.1", ports.decode),
         cluster_yaml("decode_late", "127.0.0.1", ports.late),
         cluster_yaml("decode_outage", "127.0.0.1", ports.outage),
+        cluster_yaml("decode_outage_passed", "127.0.0.1", ports.outage),
         trailers_cluster_yaml("decode_trailers", ports.trailers),
         cluster_yaml("prefill_not_http", "127.0.0.1", ports.not_http),
         cluster_yaml("decode_passed", "127.0.0.1", ports.decode),
@@ -993,6 +998,11 @@ fn routes_yaml(route: DecodeRoute) -> String {
         DecodeRoute::Outage => {
             r#"              - match: { prefix: "/" }
                 route: { cluster: decode_outage, timeout: 0s }
+"#
+        }
+        DecodeRoute::OutageOwnPool => {
+            r#"              - match: { prefix: "/" }
+                route: { cluster: decode_outage_passed, timeout: 0s }
 "#
         }
         DecodeRoute::Blackholed => {
