@@ -570,7 +570,11 @@ impl Config {
         for name in raw.forward_headers {
             let name = header_name("forward_headers", &name)?;
             check_forwarded_header(&name)?;
-            forward_headers.push(name);
+            // A name listed twice (or in two cases) is one header: copied twice, every value
+            // of the client's would reach prefill twice.
+            if !forward_headers.contains(&name) {
+                forward_headers.push(name);
+            }
         }
 
         let prefill_time_header = raw
@@ -1005,6 +1009,16 @@ mod tests {
             Config::from_json(twice).unwrap().orchestrated_paths.len(),
             1
         );
+    }
+
+    #[test]
+    fn a_forwarded_header_listed_twice_is_copied_once() {
+        // An audit saw prefill get every value of the client's x-foo twice under
+        // ["X-Foo", "x-foo"].
+        let config =
+            Config::from_json(br#"{"forward_headers":["X-Foo","x-foo","traceparent","X-FOO"]}"#)
+                .unwrap();
+        assert_eq!(config.forward_headers, ["x-foo", "traceparent"]);
     }
 
     #[test]
