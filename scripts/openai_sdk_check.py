@@ -120,7 +120,7 @@ def main(base_url):
 
 async def oversized_upload(base_url):
     """The async client writes a whole body before it reads the answer: a body over the
-    filter's limit (8 MiB by default; an inline image, say) must get the typed 413, not a
+    filter's limit (8 MiB on the test listener, as envoy/envoy.yaml sets it; an inline image, say) must get the typed 413, not a
     connection error."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
     image = {"url": "data:image/png;base64," + "A" * (10 * 1024 * 1024)}

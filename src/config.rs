@@ -99,7 +99,10 @@ impl Default for RawConfig {
                 "/cohere/v2/chat".to_owned(),
             ],
             kv_stripped_paths: Vec::new(),
-            max_request_body_bytes: 8 * 1024 * 1024,
+            // Envoy's own default buffer limit: a larger default would let a body Envoy took
+            // grow past its buffer once prefill's kv_transfer_params go in, and Envoy's 413
+            // from inside the filter's callback crashes it.
+            max_request_body_bytes: 1024 * 1024,
             max_vm_held_bytes: 256 * 1024 * 1024,
             on_missing_kv_transfer_params: MissingKvPolicy::DecodeOnly,
             forward_headers: DEFAULT_FORWARD_HEADERS

@@ -219,6 +219,8 @@ const LISTENER_WEIGHTS: &[(usize, &str)] = &[
     (5, "no_hosts_held"),
     (5, "no_hosts_passed"),
     (12, "tight_buffer"),
+    // Envoy's 1 MiB and the filter's default body limit, headers passed at once (Istio).
+    (5, "envoy_defaults"),
     (5, "unreachable"),
     (5, "unknown_cluster"),
 ];

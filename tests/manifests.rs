@@ -1253,7 +1253,7 @@ const ENVOY_ROUTING_HEADERS: [&str; 13] = [
 
 /// The filter's defaults for the keys the checks below read.
 const DEFAULT_PREFILL_TIMEOUT_MS: u64 = 120_000;
-const DEFAULT_MAX_REQUEST_BODY_BYTES: u64 = 8 * 1024 * 1024;
+const DEFAULT_MAX_REQUEST_BODY_BYTES: u64 = 1024 * 1024;
 
 /// An Envoy duration as JSON ("10s", "0.25s") in seconds.
 fn seconds(duration: &Value) -> Option<f64> {

@@ -297,14 +297,27 @@ fn case(
 async fn a_body_that_grows_past_envoys_buffer_on_decode_is_413_or_served() {
     // tight_buffer: Envoy buffers at most 65536 bytes, the filter accepts up to 65536. With
     // prefill's kv_transfer_params in it, decode's body no longer fits in Envoy's buffer.
+    body_growing_past_envoys_buffer("tight_buffer", &[65_456, 65_536]).await;
+}
+
+#[tokio::test]
+async fn at_envoys_default_buffer_limit_the_filters_default_keeps_decode_bodies_within_it() {
+    // envoy_defaults: Envoy's 1 MiB and no max_request_body_bytes in the plugin's
+    // configuration, as on Istio's gateway. With a default above Envoy's limit, a body just
+    // under 1 MiB whose decode version is over it crashed Envoy once prefill answered.
+    let limit = common::ENVOY_DEFAULT_BUFFER_LIMIT_BYTES as usize;
+    body_growing_past_envoys_buffer("envoy_defaults", &[limit - 276, limit - 80, limit]).await;
+}
+
+async fn body_growing_past_envoys_buffer(listener: &'static str, sizes: &[usize]) {
     let mut cases = Vec::new();
-    for size in [65_456usize, 65_536] {
+    for &size in sizes {
         for framing in ["content-length", "chunked"] {
             cases.push(case(format!("{size} bytes, {framing}"), async move {
-                let context = format!("{size} bytes, {framing}");
+                let context = format!("{listener}: {size} bytes, {framing}");
                 let id = unique_id("tight");
                 let (body, prompt) = sized_body(&id, size);
-                let request = Request::post("tight_buffer", "/v1/completions").id(&id);
+                let request = Request::post(listener, "/v1/completions").id(&id);
                 let request = match framing {
                     "chunked" => request.chunked(body, 8192),
                     _ => request.body(body),
@@ -333,7 +346,7 @@ async fn a_body_that_grows_past_envoys_buffer_on_decode_is_413_or_served() {
             }));
         }
     }
-    run_cases_then_still_serves(cases, "tight_buffer").await;
+    run_cases_then_still_serves(cases, listener).await;
 }
 
 #[tokio::test]

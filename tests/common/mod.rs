@@ -67,10 +67,15 @@ pub struct Listener {
     pub buffer_limit_bytes: u32,
 }
 
-/// 16 MiB, above the filter's default 8 MiB body limit. (`envoy/envoy.yaml` buffers bodies
-/// up to its virtual host's `request_body_buffer_limit`, 16 MiB, with a 1 MiB listener; its
-/// own tests are in tests/manifests.rs.)
+/// 16 MiB, above the 8 MiB body limit the filter gets on such a listener unless its
+/// configuration sets one, as in `envoy/envoy.yaml` (which buffers bodies up to its virtual
+/// host's `request_body_buffer_limit`, 16 MiB, with a 1 MiB listener; its own tests are in
+/// tests/manifests.rs).
 const BUFFER_LIMIT_BYTES: u32 = 16 * 1024 * 1024;
+const SHIPPED_MAX_REQUEST_BODY_BYTES: u64 = 8 * 1024 * 1024;
+
+/// Envoy's default buffer limit, and the filter's default body limit.
+pub const ENVOY_DEFAULT_BUFFER_LIMIT_BYTES: u32 = 1024 * 1024;
 
 const fn plain(name: &'static str, plugin_config: &'static str) -> Listener {
     Listener {
@@ -143,6 +148,12 @@ pub const LISTENERS: &[Listener] = &[
     Listener {
         buffer_limit_bytes: 65536,
         ..plain("tight_buffer", r#"{"max_request_body_bytes":65536}"#)
+    },
+    // Envoy's default buffer limit and the filter's default body limit, as on Istio's
+    // gateway when the plugin's configuration leaves the limit out (tests/security.rs).
+    Listener {
+        buffer_limit_bytes: ENVOY_DEFAULT_BUFFER_LIMIT_BYTES,
+        ..plain("envoy_defaults", "")
     },
     plain("usage_decode", r#"{"usage":"decode"}"#),
     // Several prompts in one completions request are decode's alone (tests/pd_flow.rs).
@@ -1050,6 +1061,11 @@ fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
     };
     if config.get("max_log_lines_per_second").is_none() {
         config["max_log_lines_per_second"] = serde_json::json!(0);
+    }
+    if listener.buffer_limit_bytes == BUFFER_LIMIT_BYTES
+        && config.get("max_request_body_bytes").is_none()
+    {
+        config["max_request_body_bytes"] = serde_json::json!(SHIPPED_MAX_REQUEST_BODY_BYTES);
     }
     let plugin_config = serde_json::to_string(&config.to_string()).expect("json string");
     format!(
