@@ -866,10 +866,13 @@ impl RootContext for PdRoot {
             Ok(config) => {
                 logger::set_lines_per_second(config.max_log_lines_per_second);
                 let summary = format!(
-                    "pd-filter configured: prefill cluster {:?}, {} paths, prefill timeout {:?}",
+                    "pd-filter configured: prefill cluster {:?}, {} paths, prefill timeout {:?}, \
+                     bodies up to {} bytes (max_request_body_bytes: Envoy's buffer limit must \
+                     be at least this)",
                     config.prefill_cluster,
                     config.orchestrated_paths.len(),
-                    config.prefill_timeout
+                    config.prefill_timeout,
+                    config.max_request_body_bytes
                 );
                 // Every worker has its own VM: the lines once for the process, not per worker.
                 if first_to_announce(&bytes) {
