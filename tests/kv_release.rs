@@ -7,7 +7,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{assert_envoy_log_clean, assert_filter_healthy, harness, unique_id, Request};
+use common::{
+    assert_envoy_log_clean, assert_filter_healthy, harness, unique_id, Connections, Request,
+};
 use serde_json::{json, Value};
 
 const COMPLETIONS: &str = "/v1/completions";
@@ -516,11 +518,22 @@ async fn a_client_that_leaves_many_prefills_running_is_refused_until_they_end() 
 
 /// Sends a completion request to `listener` every `gap`, `count` times, each answered 503:
 /// whether the filter refused each before prefill.
-async fn requests_in_a_row(listener: &str, count: usize, gap: Duration) -> Vec<bool> {
-    let mut refused = Vec::new();
+/// Up to `count` requests, `gap` apart, over `connections`; stops early once the last
+/// `stop_after_refused` were refused (never, for 0). Whether each was refused before prefill.
+async fn requests_in_a_row(
+    listener: &str,
+    connections: &Connections,
+    count: usize,
+    gap: Duration,
+    stop_after_refused: usize,
+) -> Vec<bool> {
+    let mut refused: Vec<bool> = Vec::new();
     for _ in 0..count {
         let id = unique_id("outage");
-        let reply = post(listener, &id, "decode is down").send().await;
+        let reply = post(listener, &id, "decode is down")
+            .over(connections)
+            .send()
+            .await;
         assert_eq!(reply.status, 503, "{listener}: {}", reply.body);
         // Otherwise Envoy's own 503 (text, in this test Envoy) came from decode's route.
         let ours = serde_json::from_str::<Value>(&reply.body)
@@ -532,6 +545,10 @@ async fn requests_in_a_row(listener: &str, count: usize, gap: Duration) -> Vec<b
             assert!(harness().prefill_requests(&id).is_empty(), "{listener}");
         }
         refused.push(ours);
+        let streak = refused.iter().rev().take_while(|refused| **refused).count();
+        if stop_after_refused > 0 && streak >= stop_after_refused {
+            break;
+        }
         tokio::time::sleep(gap).await;
     }
     refused
@@ -544,12 +561,17 @@ async fn while_decode_cannot_be_reached_requests_are_refused_before_prefill() {
     let refused = r#"pd_filter_requests{api="completions",outcome="decode_unreachable"}"#;
     let refused_before = h.counter(refused);
     for listener in ["decode_outage", "decode_outage_passed"] {
-        // Each Envoy worker learns on its own: at least three failures over 100 ms.
-        let first = requests_in_a_row(listener, 12, Duration::from_millis(60)).await;
+        // Each Envoy worker learns on its own (at least three failures over 100 ms), so the
+        // requests share one connection, and so one worker. Once two were refused, the
+        // rest follow at once: the next probe of `decode_outage_passed` is a second away.
+        let connections = Connections::new();
+        let gap = Duration::from_millis(60);
+        let first = requests_in_a_row(listener, &connections, 12, gap, 2).await;
         let prefilled = first.iter().filter(|refused| !**refused).count();
         assert!(prefilled >= 3, "{listener}: {first:?}");
+        assert!(first.ends_with(&[true, true]), "{listener}: {first:?}");
         // Then none goes to prefill until the next probe (a second, or a minute).
-        let then = requests_in_a_row(listener, 8, Duration::ZERO).await;
+        let then = requests_in_a_row(listener, &connections, 8, Duration::ZERO, 0).await;
         assert_eq!(then, vec![true; 8], "{listener}");
     }
     assert!(h.counter(refused) >= refused_before + 16);
