@@ -8,10 +8,12 @@
 /// connection closed or reset before decode answered (a decode worker killed or crashed, or
 /// a kept-alive connection it had closed as Envoy sent the request). In the last case decode
 /// may have read the KV before it went; the release then costs a decode one token, and the
-/// client, answered by Envoy, never sees the first decode's answer either way.
+/// client, answered by Envoy, never sees the first decode's answer either way. Also Envoy's
+/// 413 for a decode body written past its buffer limit (`request_payload_too_large`): the
+/// filter holds the whole body until it writes decode's, so decode got none of it.
 /// `code_details` is Envoy's `response.code_details` (`via_upstream` for a decode answer).
 pub fn decode_will_not_read(code_details: &str) -> bool {
-    const NOT_READ: [&str; 8] = [
+    const NOT_READ: [&str; 9] = [
         "connection_failure",
         "connection_timeout",
         // HTTP/2 REFUSED_STREAM: the server says it did not process the stream.
@@ -22,6 +24,7 @@ pub fn decode_will_not_read(code_details: &str) -> bool {
         "overflow",
         // Closed (`connection_termination`) or reset (`remote_reset`) before any answer.
         "upstream_reset_before_response_started",
+        "request_payload_too_large",
     ];
     code_details != "via_upstream" && NOT_READ.iter().any(|what| code_details.contains(what))
 }
@@ -131,6 +134,7 @@ mod tests {
             "upstream_reset_before_response_started{remote_refused_stream_reset}",
             "upstream_reset_before_response_started{connection_termination}",
             "upstream_reset_before_response_started{remote_reset}",
+            "request_payload_too_large",
         ] {
             assert!(decode_will_not_read(never), "{never}");
         }
@@ -139,6 +143,7 @@ mod tests {
             "via_upstream",
             "upstream_reset_after_response_started{remote_reset}",
             "response_timeout",
+            "response_payload_too_large",
         ] {
             assert!(!decode_will_not_read(read), "{read}");
         }

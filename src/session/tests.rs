@@ -895,14 +895,26 @@ fn kv_is_released_when_decode_refuses_a_request_prefill_served() {
     assert_eq!(release["max_tokens"], 1);
     assert!(release.get("min_tokens").is_none(), "{release}");
 
-    // Envoy's own 4xx (no decode worker wrote it) is no sign either way.
+    // Envoy's own 4xx (no decode worker wrote it) is no sign either way, with a connection
+    // to decode...
     let mut s = prefilling("");
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     let envoys = ResponseHead {
-        code_details: Some("request_payload_too_large"),
-        ..upstream(413)
+        code_details: Some("request_overall_timeout"),
+        decode_connected: Some(true),
+        ..upstream(408)
     };
     assert!(!has_release(&s.on_response_headers(&envoys).commands));
+    // ...but its 413 for decode's body written past its buffer is: the filter held the whole
+    // body until then, so decode got none of it.
+    let mut s = prefilling("");
+    s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    let too_large = ResponseHead {
+        code_details: Some("request_payload_too_large"),
+        decode_connected: Some(true),
+        ..upstream(413)
+    };
+    assert!(has_release(&s.on_response_headers(&too_large).commands));
 
     // Switched off with the rest of the releases (and with decode outages not followed,
     // which read the same details).
