@@ -33,7 +33,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Status};
+use proxy_wasm::types::{Action, ContextType, Status};
 
 use crate::abandoned::AbandonedPrefills;
 use crate::callouts::{Attempt, Caller, Callouts, Job, NotKept, ReleaseStart, Retry};
@@ -42,7 +42,7 @@ use crate::decode_outage::DecodeOutages;
 use crate::headers::HeaderLookup;
 use crate::held_bytes::HeldBytes;
 use crate::held_headers_check::{HeldHeadersCheck, NO_BODY_WARNING_AFTER};
-use crate::host;
+use crate::host::{self, BufferType, LogLevel, MapType};
 use crate::logger;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;

@@ -1,15 +1,61 @@
-//! The proxy-wasm host calls the filter makes, through the ABI directly. The SDK's
-//! `hostcalls` wrappers panic on any status they do not expect (and a panic kills the VM for
-//! every later request), while Envoy refuses calls in states a client can bring about: a body
-//! or header written after the stream moved on, a local reply after the answer began. Here
-//! every refusal is a value, the host's status, logging included. Only `dispatch_http_call`
-//! stays the SDK's: the SDK must see each call's token to route its answer.
+//! The proxy-wasm host calls the filter makes, through the ABI directly (ABI 0.2.1). A panic
+//! kills the VM for every later request, while Envoy refuses calls in states a client can
+//! bring about: a body or header written after the stream moved on, a local reply after the
+//! answer began. Here every refusal is a value, the host's status, logging included. The
+//! enums below are the ABI's numbers for the values the filter passes (only those it
+//! passes). Only `dispatch_http_call` stays the SDK's: the SDK must see each call's token to
+//! route its answer.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, StreamType};
-
 use crate::headers::HeaderMap;
+
+/// A log line's level, as the ABI numbers them.
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum LogLevel {
+    Trace = 0,
+    Debug = 1,
+    Info = 2,
+    Warn = 3,
+    Error = 4,
+    Critical = 5,
+}
+
+/// The header maps the filter reads and writes (the ABI's names).
+#[allow(clippy::enum_variant_names)]
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum MapType {
+    HttpRequestHeaders = 0,
+    HttpResponseHeaders = 2,
+    HttpCallResponseHeaders = 6,
+}
+
+/// The buffers the filter reads and writes.
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum BufferType {
+    HttpRequestBody = 0,
+    HttpResponseBody = 1,
+    HttpCallResponseBody = 4,
+    PluginConfiguration = 7,
+}
+
+/// The kinds of metric the filter defines.
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum MetricType {
+    Counter = 0,
+    Histogram = 2,
+}
+
+/// The stream the filter resumes.
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum StreamType {
+    HttpRequest = 0,
+}
 
 #[link(wasm_import_module = "env")]
 extern "C" {

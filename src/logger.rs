@@ -7,7 +7,7 @@
 use std::cell::RefCell;
 use std::time::UNIX_EPOCH;
 
-use proxy_wasm::types::LogLevel;
+use crate::host::LogLevel;
 
 use crate::host;
 use crate::log_budget::{one_line, Admission, LogBudgets, LINES_PER_SECOND};

@@ -8,7 +8,7 @@
 //! or Istio's `extraStatTags`) `/stats/prometheus` shows
 //! `pd_filter_requests{api="chat_completions",outcome="decoded"}`.
 
-use proxy_wasm::types::MetricType;
+use crate::host::MetricType;
 
 use crate::api::Api;
 use crate::host;
