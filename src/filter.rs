@@ -1,23 +1,22 @@
-//! The adapter to the proxy-wasm host: it turns host callbacks into [`Session`] events and
-//! the session's commands into host calls, and decides nothing itself. Host calls go through
-//! [`host`], where a refusal is a value, apart from sending a call (the SDK's, which must see
-//! its token); a reset callout's headers come as an empty list.
+//! The adapter to the proxy-wasm host: it turns host callbacks ([`dispatch`]'s) into
+//! [`Session`] events and the session's commands into host calls, and decides nothing
+//! itself. Host calls go through [`host`], where a refusal is a value; a reset callout's
+//! headers come as an empty list.
 //!
-//! Callouts belong to the worker's root context, not to the request: the SDK delivers an
-//! answer only to the context that sent the call, and a request's context is gone once its
+//! Callouts belong to the worker's root context, not to the request: the dispatcher delivers
+//! an answer only to the context that sent the call, and a request's context is gone once its
 //! client is, while prefill's answer (and the KV it holds) still comes. A request hands its
 //! calls to the root; the root sends them, reads their answers, and acts on the request (its
 //! effective context) while the client is there.
 //!
 //! A prefill call is handed over without a turn of the event loop: the request calls the
-//! SDK's own `proxy_on_queue_ready` export for the root, which makes the root the SDK's active
-//! context (the SDK routes an answer to the context that was active when its call was sent),
-//! and the root sends the call at once. This leans on the dispatcher of proxy-wasm 0.2.5, which
-//! `Cargo.toml` pins; the KV-release tests (clients that leave during prefill) fail if an SDK
-//! stops routing answers that way. Where it cannot be done (inside a callback of the root,
-//! whose context the SDK holds borrowed) the call waits in a per-worker shared queue for the
-//! root's next turn, as KV releases do. A call is never sent in a request's own context:
-//! where the queue cannot take it, the root runs it at once the same way.
+//! dispatcher's `proxy_on_queue_ready` export for the root, which runs a callback of the root
+//! (an answer goes to the context whose callback sent the call), and the root sends the call
+//! at once; the KV-release tests (clients that leave during prefill) fail if answers stop
+//! being routed that way. Where it cannot be done (inside a callback of the root, which the
+//! dispatcher holds borrowed) the call waits in a per-worker shared queue for the root's next
+//! turn, as KV releases do. A call is never sent in a request's own context: where the queue
+//! cannot take it, the root runs it at once the same way.
 //!
 //! So a request may be resumed while one of its own request callbacks still runs: Envoy
 //! refuses a prefill call at once (no healthy host, a full pool, no such cluster) and
@@ -31,9 +30,8 @@ use std::collections::VecDeque;
 use std::rc::{Rc, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, Status};
+use crate::dispatch::{self, Action, Root, Stream};
+use crate::host::{BufferType, LogLevel, MapType};
 
 use crate::abandoned::AbandonedPrefills;
 use crate::callouts::{Attempt, Caller, Callouts, Job, NotKept, ReleaseStart, Retry};
@@ -42,7 +40,7 @@ use crate::decode_outage::DecodeOutages;
 use crate::headers::HeaderLookup;
 use crate::held_bytes::HeldBytes;
 use crate::held_headers_check::{HeldHeadersCheck, NO_BODY_WARNING_AFTER};
-use crate::host::{self, BufferType, LogLevel, MapType};
+use crate::host;
 use crate::logger;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
@@ -68,9 +66,10 @@ thread_local! {
     static VM_DECODE_OUTAGES: DecodeOutages = DecodeOutages::default();
 }
 
-proxy_wasm::main! {{
+/// The VM's start ([`dispatch`]'s `_initialize`): the logger, and how roots are made.
+pub fn start() {
     logger::install(LogLevel::Info);
-    proxy_wasm::set_root_context(|root_id| -> Box<dyn RootContext> {
+    dispatch::set_root_factory(|root_id| -> Box<dyn Root> {
         Box::new(PdRoot {
             config: None,
             counted: false,
@@ -79,7 +78,7 @@ proxy_wasm::main! {{
             worker: Rc::new(Worker::new(root_id)),
         })
     });
-}}
+}
 
 struct PdRoot {
     config: Option<Rc<Config>>,
@@ -103,15 +102,10 @@ const SEND_NOW: u32 = u32::MAX;
 /// ([`Worker::run_as_root`]); never one the host hands out.
 const RUN_NOW: u32 = u32::MAX - 1;
 
-extern "C" {
-    /// The SDK's entry for the host's queue callback, exported by this very module.
-    fn proxy_on_queue_ready(context_id: u32, queue_id: u32);
-}
-
 /// What one worker's root context shares with its requests.
 struct Worker {
     root_id: u32,
-    /// A callback of the root is running: the SDK holds the root borrowed.
+    /// A callback of the root is running: the dispatcher holds the root borrowed.
     in_root: Cell<bool>,
     /// The call the root is to send at once, and the token it went out with.
     send_now: RefCell<Option<HttpCall>>,
@@ -165,7 +159,7 @@ impl Clock {
     }
 }
 
-/// The SDK's level for the ABI's number.
+/// The level for the ABI's number.
 fn log_level(level: u32) -> Option<LogLevel> {
     Some(match level {
         0 => LogLevel::Trace,
@@ -188,13 +182,6 @@ fn follow_envoys_log_level() {
 /// A release's first attempt, from now.
 fn first_attempt() -> Attempt {
     Attempt::first(host::now().unwrap_or(UNIX_EPOCH))
-}
-
-fn as_pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
-    headers
-        .iter()
-        .map(|(name, value)| (name.as_str(), value.as_str()))
-        .collect()
 }
 
 /// The callback's answer to Envoy. A step may both reply and pause: Envoy carries out
@@ -272,7 +259,8 @@ impl Worker {
         }
     }
 
-    /// Runs `work` as a callback of the root, during which the SDK holds the root borrowed.
+    /// Runs `work` as a callback of the root, during which the dispatcher holds the root
+    /// borrowed.
     fn as_root<T>(&self, work: impl FnOnce() -> T) -> T {
         let was_in_root = self.in_root.replace(true);
         let result = work();
@@ -288,24 +276,24 @@ impl Worker {
         }
         *self.send_now.borrow_mut() = Some(call);
         self.sent_now.set(None);
-        // SAFETY: the SDK's export, defined in this module and called as the host would call
-        // it; it borrows only the SDK's root contexts, which no request callback holds.
-        unsafe { proxy_on_queue_ready(self.root_id, SEND_NOW) };
+        // The dispatcher's export, called as the host would call it: the root's callback,
+        // whose calls answer to the root.
+        dispatch::proxy_on_queue_ready(self.root_id, SEND_NOW);
         self.send_now.borrow_mut().take();
         Ok(self.sent_now.take())
     }
 
-    /// Runs `job` as the root from a request's callback, at once: the SDK drops the answer
-    /// to a call sent in a request's context once that context is gone, and with it the
-    /// call's caller, which holds the request.
+    /// Runs `job` as the root from a request's callback, at once: the dispatcher drops the
+    /// answer to a call sent in a request's context once that context is gone, and with it
+    /// the call's caller, which holds the request.
     fn run_as_root(&self, job: Job<Rc<Request>>) {
         if self.in_root.get() {
             self.run_job(job, In::Root, &Clock::default());
             return;
         }
         *self.run_now.borrow_mut() = Some(job);
-        // SAFETY: as in `send_as_root`.
-        unsafe { proxy_on_queue_ready(self.root_id, RUN_NOW) };
+        // As in `send_as_root`.
+        dispatch::proxy_on_queue_ready(self.root_id, RUN_NOW);
         let lost = self.run_now.borrow_mut().take();
         if let Some(Job::Release(call)) = lost {
             log::warn!(
@@ -391,15 +379,9 @@ impl Worker {
 
     /// Envoy answers `BadArgument` for a cluster it does not have, and `InternalFailure` for
     /// a call it refused at once (the cluster's pool full, no healthy host).
-    fn try_dispatch(&self, call: &HttpCall) -> Result<u32, Status> {
-        hostcalls::dispatch_http_call(
-            &call.cluster,
-            as_pairs(&call.headers),
-            Some(&call.body),
-            vec![],
-            call.timeout,
-        )
-        .inspect_err(|status| log::debug!("dispatch_http_call to {:?}: {status:?}", call.cluster))
+    fn try_dispatch(&self, call: &HttpCall) -> Result<u32, u32> {
+        dispatch::http_call(&call.cluster, &call.headers, &call.body, call.timeout)
+            .inspect_err(|status| log::debug!("http_call to {:?}: status {status}", call.cluster))
     }
 
     fn dispatch_prefill(&self, request: &Rc<Request>, call: &HttpCall, context: In, clock: &Clock) {
@@ -495,7 +477,7 @@ impl Worker {
         };
         // Sent again later either way: a cluster Envoy does not have may be one a dynamic
         // configuration is replacing for a few seconds.
-        let why = if status == Status::BadArgument {
+        let why = if status == host::BAD_ARGUMENT {
             "Envoy has no such cluster (decode_cluster, model_decode_clusters)"
         } else {
             // Decode's pool full or without a healthy host, for the release as for the
@@ -644,7 +626,9 @@ impl Worker {
                     self.record(metric);
                     Vec::new()
                 }
-                command if alive => perform(request, command),
+                // Envoy may have ended the stream inside one of these host calls (a body grown
+                // past its buffer): none after that.
+                command if request.alive.get() => perform(request, command),
                 // A gone request's stream is not there to act on.
                 _ => Vec::new(),
             };
@@ -801,14 +785,8 @@ fn first_to_announce(configuration: &[u8]) -> bool {
     !host::has_shared_data(&key) && host::set_shared_data(&key, b"1").is_ok()
 }
 
-impl Context for PdRoot {
-    fn on_http_call_response(
-        &mut self,
-        token_id: u32,
-        _num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
+impl Root for PdRoot {
+    fn on_http_call_response(&mut self, token_id: u32, body_size: usize) {
         self.worker
             .as_root(|| self.worker.on_answer(token_id, body_size, In::Root));
         self.worker.finish_if_idle();
@@ -843,9 +821,7 @@ impl Context for PdRoot {
         self.worker.finishing.set(true);
         false
     }
-}
 
-impl RootContext for PdRoot {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
         let bytes =
             host::buffer(BufferType::PluginConfiguration, 0, usize::MAX).unwrap_or_default();
@@ -926,18 +902,14 @@ impl RootContext for PdRoot {
         self.worker.finish_if_idle();
     }
 
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
-    }
-
-    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Box<dyn Stream> {
         // Read again for each request: an operator who turns on `wasm:debug` at run time
         // (Envoy's /logging, `istioctl proxy-config log`) gets the next request's lines.
         follow_envoys_log_level();
         let Some(config) = self.config.clone() else {
-            return Some(Box::new(Unconfigured));
+            return Box::new(Unconfigured);
         };
-        Some(Box::new(PdRequest {
+        Box::new(PdRequest {
             request: Rc::new(Request {
                 context_id,
                 session: RefCell::new(
@@ -950,7 +922,7 @@ impl RootContext for PdRoot {
                 resume_on_return: Cell::new(false),
             }),
             worker: self.worker.clone(),
-        }))
+        })
     }
 }
 
@@ -977,10 +949,8 @@ struct PdRequest {
 /// A request on a plugin whose configuration was refused: answered 500, never passed on.
 struct Unconfigured;
 
-impl Context for Unconfigured {}
-
-impl HttpContext for Unconfigured {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+impl Stream for Unconfigured {
+    fn on_request_headers(&mut self, _end_of_stream: bool) -> Action {
         let reply = reply_without_configuration();
         if let Err(status) = host::send_reply(reply.status, &reply.headers, &reply.body) {
             log::error!("could not send the error reply: {status:?}");
@@ -989,20 +959,14 @@ impl HttpContext for Unconfigured {
     }
 }
 
-impl Context for PdRequest {
+impl Stream for PdRequest {
     /// Every call goes out as the root's, so none should answer here; one that does is
     /// taken as the root would take it.
-    fn on_http_call_response(
-        &mut self,
-        token_id: u32,
-        _num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
+    fn on_http_call_response(&mut self, token_id: u32, body_size: usize) {
         self.worker.on_answer(token_id, body_size, In::Request);
     }
 
-    fn on_done(&mut self) -> bool {
+    fn on_done(&mut self) {
         if self.request.session.borrow().wants_address_on_leaving() {
             let address = host::property(&["source", "address"]).ok();
             self.request
@@ -1024,27 +988,24 @@ impl Context for PdRequest {
         commands.extend(self.request.session.borrow_mut().on_stream_done());
         self.worker
             .act_on(&self.request, commands, In::Request, &clock);
-        true
-    }
-}
-
-impl HttpContext for PdRequest {
-    fn on_http_request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
-        self.request_callback(|this| this.request_headers(num_headers, end_of_stream))
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn on_request_headers(&mut self, end_of_stream: bool) -> Action {
+        self.request_callback(|this| this.request_headers(end_of_stream))
+    }
+
+    fn on_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         self.request_callback(|this| this.request_body(body_size, end_of_stream))
     }
 
-    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+    fn on_request_trailers(&mut self) -> Action {
         self.request_callback(|this| {
             let step = this.request.session.borrow_mut().on_request_trailers();
             this.run_body_step(step)
         })
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+    fn on_response_headers(&mut self, end_of_stream: bool) -> Action {
         if !self.request.session.borrow().watches_response() {
             return Action::Continue;
         }
@@ -1077,13 +1038,13 @@ impl HttpContext for PdRequest {
         self.run(step)
     }
 
-    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+    fn on_response_trailers(&mut self) -> Action {
         let step = self.request.session.borrow_mut().on_response_trailers();
         // The answer Envoy holds, whole: no body callback says its size here.
         self.read_response_body(step, usize::MAX, true)
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn on_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let step = self
             .request
             .session
@@ -1124,7 +1085,7 @@ impl PdRequest {
         action
     }
 
-    fn request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+    fn request_headers(&mut self, end_of_stream: bool) -> Action {
         if let Err(status) = host::set_property(FILTER_RAN_FILTER_STATE, b"yes") {
             log::warn!("could not mark the request as seen by pd-filter: status {status}");
         }

@@ -3,8 +3,7 @@
 //! bring about: a body or header written after the stream moved on, a local reply after the
 //! answer began. Here every refusal is a value, the host's status, logging included. The
 //! enums below are the ABI's numbers for the values the filter passes (only those it
-//! passes). Only `dispatch_http_call` stays the SDK's: the SDK must see each call's token to
-//! route its answer.
+//! passes).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -153,6 +152,18 @@ extern "C" {
         headers_size: usize,
         grpc_status: i32,
     ) -> u32;
+    fn proxy_http_call(
+        cluster: *const u8,
+        cluster_size: usize,
+        headers: *const u8,
+        headers_size: usize,
+        body: *const u8,
+        body_size: usize,
+        trailers: *const u8,
+        trailers_size: usize,
+        timeout_milliseconds: u32,
+        return_token: *mut u32,
+    ) -> u32;
     fn proxy_set_property(
         path: *const u8,
         path_size: usize,
@@ -178,11 +189,15 @@ fn result(status: u32) -> Result<(), u32> {
 /// empty buffer).
 pub const NOT_FOUND: u32 = 1;
 
+/// The ABI's `BadArgument` status: for a call, a cluster Envoy does not have.
+pub const BAD_ARGUMENT: u32 = 2;
+
 /// The ABI's `Empty` status: a queue with nothing in it.
 const EMPTY: u32 = 7;
 
 /// Takes the bytes the host wrote into memory it had the VM allocate
-/// (`proxy_on_memory_allocate`, the SDK's export: a boxed slice of exactly `size` bytes).
+/// (`proxy_on_memory_allocate`, [`crate::dispatch`]: exactly `size` bytes, laid out as a
+/// `Vec<u8>` whose capacity is `size`).
 ///
 /// SAFETY: `data` is null, or the host's allocation of `size` bytes, handed over once.
 unsafe fn take_host_bytes(data: *mut u8, size: usize) -> Vec<u8> {
@@ -366,4 +381,34 @@ pub fn send_reply(status: u16, headers: &[(String, String)], body: &[u8]) -> Res
 /// Sets a one-segment property (a filter state key).
 pub fn set_property(key: &str, value: &[u8]) -> Result<(), u32> {
     result(unsafe { proxy_set_property(key.as_ptr(), key.len(), value.as_ptr(), value.len()) })
+}
+
+/// Sends an HTTP call to `cluster` (no trailers); the host's token for its answer, which
+/// comes to `proxy_on_http_call_response`. Envoy answers `BadArgument` for a cluster it does
+/// not have, and `InternalFailure` for a call it refused at once.
+pub fn http_call(
+    cluster: &str,
+    headers: &[(String, String)],
+    body: &[u8],
+    timeout: Duration,
+) -> Result<u32, u32> {
+    let headers = HeaderMap::serialize(headers);
+    let no_trailers = HeaderMap::serialize::<&str, &str>(&[]);
+    let millis = u32::try_from(timeout.as_millis()).unwrap_or(u32::MAX);
+    let mut token: u32 = 0;
+    result(unsafe {
+        proxy_http_call(
+            cluster.as_ptr(),
+            cluster.len(),
+            headers.as_ptr(),
+            headers.len(),
+            body.as_ptr(),
+            body.len(),
+            no_trailers.as_ptr(),
+            no_trailers.len(),
+            millis,
+            &mut token,
+        )
+    })?;
+    Ok(token)
 }

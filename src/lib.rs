@@ -39,6 +39,8 @@ pub mod session;
 pub mod vm_roots;
 
 #[cfg(all(target_arch = "wasm32", not(test)))]
+mod dispatch;
+#[cfg(all(target_arch = "wasm32", not(test)))]
 mod filter;
 #[cfg(all(target_arch = "wasm32", not(test)))]
 mod host;
