@@ -309,6 +309,59 @@ async fn at_envoys_default_buffer_limit_the_filters_default_keeps_decode_bodies_
     body_growing_past_envoys_buffer("envoy_defaults", &[limit - 276, limit - 80, limit]).await;
 }
 
+#[tokio::test]
+async fn an_envoy_buffer_below_the_body_limit_gives_envoys_413_and_envoy_lives() {
+    // undersized_buffer: Envoy buffers at most 65536 bytes, the filter's default limit is
+    // 1 MiB, so the filter writes decode's body past Envoy's buffer once prefill answered.
+    // Envoy answers the client itself from inside that host call, and calls the filter's
+    // callbacks for the request (response headers, log, done, delete) before the call
+    // returns: with the SDK's dispatcher the nested call panicked and Envoy crashed.
+    let listener = "undersized_buffer";
+    let mut cases = Vec::new();
+    for size in [65_456, 65_536] {
+        for framing in ["content-length", "chunked"] {
+            cases.push(case(format!("{size} bytes, {framing}"), async move {
+                let context = format!("{listener}: {size} bytes, {framing}");
+                let id = unique_id("undersized");
+                let (body, _prompt) = sized_body(&id, size);
+                let request = Request::post(listener, "/v1/completions").id(&id);
+                let request = match framing {
+                    "chunked" => request.chunked(body, 8192),
+                    _ => request.body(body),
+                };
+                let reply = send(request).await;
+                eprintln!("{context}: {} {}", reply.status, reply.body);
+                assert_envoy_alive();
+                assert_eq!(reply.status, 413, "{context}: {}", reply.body);
+                // Envoy's own answer, not the filter's (which is JSON).
+                assert!(
+                    serde_json::from_str::<Value>(&reply.body).is_err(),
+                    "{context}: {}",
+                    reply.body
+                );
+                assert_eq!(prefilled(&id).len(), 1, "{context}");
+                assert!(decoded(&id).is_empty(), "{context}: decode was called");
+                // The request still saw its end: prefill's KV is released.
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                while harness().kv_releases(&id).is_empty() && std::time::Instant::now() < deadline
+                {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                let log = harness().envoy_log_text();
+                let lines: Vec<&str> = log.lines().filter(|line| line.contains(&id)).collect();
+                assert_eq!(
+                    harness().kv_releases(&id).len(),
+                    1,
+                    "{context}: the filter's lines:\n{}",
+                    lines.join("\n")
+                );
+                assert_healthy();
+            }));
+        }
+    }
+    run_cases_then_still_serves(cases, listener).await;
+}
+
 async fn body_growing_past_envoys_buffer(listener: &'static str, sizes: &[usize]) {
     let mut cases = Vec::new();
     for &size in sizes {

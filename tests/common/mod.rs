@@ -149,6 +149,12 @@ pub const LISTENERS: &[Listener] = &[
         buffer_limit_bytes: 65536,
         ..plain("tight_buffer", r#"{"max_request_body_bytes":65536}"#)
     },
+    // Envoy's buffer below the filter's (default, 1 MiB) body limit: a decode body past
+    // Envoy's buffer makes Envoy answer from inside the filter's host call (tests/security.rs).
+    Listener {
+        buffer_limit_bytes: 65536,
+        ..plain("undersized_buffer", "")
+    },
     // Envoy's default buffer limit and the filter's default body limit, as on Istio's
     // gateway when the plugin's configuration leaves the limit out (tests/security.rs).
     Listener {
