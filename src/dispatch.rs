@@ -17,8 +17,10 @@
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
+#[cfg(not(test))]
 use std::time::Duration;
 
+#[cfg(not(test))]
 use crate::host;
 
 /// A stream callback's answer to Envoy.
@@ -105,6 +107,7 @@ pub fn set_root_factory(new_root: NewRoot) {
 }
 
 /// Sends an HTTP call as the context whose callback runs: its answer comes to that context.
+#[cfg(not(test))]
 pub fn http_call(
     cluster: &str,
     headers: &[(String, String)],
@@ -112,11 +115,27 @@ pub fn http_call(
     timeout: Duration,
 ) -> Result<u32, u32> {
     let token = host::http_call(cluster, headers, body, timeout)?;
+    call_sent(token);
+    Ok(token)
+}
+
+/// The call `token` went out in the callback that runs: its answer goes to that context.
+fn call_sent(token: u32) {
     REGISTRY.with(|registry| {
         let sender = registry.active.get();
         registry.calls.borrow_mut().insert(token, sender);
     });
-    Ok(token)
+}
+
+/// Makes `context_id` the one the next host calls act on.
+#[cfg(not(test))]
+fn make_effective(context_id: u32) {
+    let _ = host::set_effective_context(context_id);
+}
+
+#[cfg(test)]
+fn make_effective(context_id: u32) {
+    tests::effective(context_id);
 }
 
 fn context(context_id: u32) -> Option<Context> {
@@ -166,7 +185,7 @@ fn run_deferred() {
         match next {
             Some(Deferred::Done(context_id)) => {
                 // Envoy's current context may be another's (the root's): act on this one.
-                let _ = host::set_effective_context(context_id);
+                make_effective(context_id);
                 done(context_id);
             }
             Some(Deferred::Delete(context_id)) => delete(context_id),
@@ -262,12 +281,13 @@ fn size(word: u32) -> usize {
     usize::try_from(word).unwrap_or(usize::MAX)
 }
 
-#[cfg(target_os = "wasi")]
+#[cfg(all(target_os = "wasi", not(test)))]
 extern "C" {
     fn __wasm_call_ctors();
 }
 
 /// The WASI reactor's start: Envoy calls it once, when it loads the module.
+#[cfg(not(test))]
 #[no_mangle]
 pub extern "C" fn _initialize() {
     // SAFETY: the linker's constructors, run once, before anything else in the module.
@@ -419,11 +439,11 @@ pub extern "C" fn proxy_on_http_call_response(
     let body_size = size(body_size);
     match context(sender) {
         Some(Context::Root(_)) => {
-            let _ = host::set_effective_context(sender);
+            make_effective(sender);
             let _ = on_root(sender, |root| root.on_http_call_response(token, body_size));
         }
         Some(Context::Stream(_)) => {
-            let _ = host::set_effective_context(sender);
+            make_effective(sender);
             let _ = on_stream(sender, |stream| {
                 stream.on_http_call_response(token, body_size);
                 Action::Continue
@@ -445,4 +465,269 @@ pub extern "C" fn proxy_on_done(context_id: u32) -> u32 {
 #[no_mangle]
 pub extern "C" fn proxy_on_delete(context_id: u32) {
     delete(context_id);
+}
+
+#[cfg(test)]
+mod tests {
+    //! Envoy's calls, made as Envoy 1.40 makes them, nested ones included.
+
+    use super::*;
+
+    thread_local! {
+        /// What the contexts saw, in order.
+        static EVENTS: RefCell<Vec<String>> = const { RefCell::new(Vec::new()) };
+        /// What a stream's request-body callback does inside itself, as Envoy would from
+        /// inside a host call.
+        static INSIDE_BODY: Cell<Option<fn(u32)>> = const { Cell::new(None) };
+        static INSIDE_QUEUE_READY: Cell<Option<fn(u32)>> = const { Cell::new(None) };
+    }
+
+    pub(super) fn effective(context_id: u32) {
+        event(format!("effective {context_id}"));
+    }
+
+    fn event(what: String) {
+        EVENTS.with(|events| events.borrow_mut().push(what));
+    }
+
+    fn events() -> Vec<String> {
+        EVENTS.with(|events| std::mem::take(&mut *events.borrow_mut()))
+    }
+
+    const ROOT: u32 = 1;
+    const REQUEST: u32 = 2;
+    const OTHER: u32 = 3;
+
+    struct TestRoot(u32);
+
+    impl Root for TestRoot {
+        fn on_configure(&mut self, _configuration_size: usize) -> bool {
+            true
+        }
+
+        fn on_tick(&mut self) {}
+
+        fn on_queue_ready(&mut self, queue_id: u32) {
+            event(format!("root queue {queue_id}"));
+            if let Some(inside) = INSIDE_QUEUE_READY.get() {
+                inside(queue_id);
+            }
+            event(format!("root queue {queue_id} returns"));
+        }
+
+        fn on_http_call_response(&mut self, token: u32, body_size: usize) {
+            event(format!("root answer {token} {body_size}"));
+        }
+
+        fn on_done(&mut self) -> bool {
+            event(format!("root {} done", self.0));
+            true
+        }
+
+        fn create_http_context(&self, context_id: u32) -> Box<dyn Stream> {
+            Box::new(TestStream(context_id))
+        }
+    }
+
+    struct TestStream(u32);
+
+    impl Stream for TestStream {
+        fn on_request_headers(&mut self, _end_of_stream: bool) -> Action {
+            event(format!("{} request headers", self.0));
+            Action::Pause
+        }
+
+        fn on_request_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+            event(format!("{} request body", self.0));
+            if let Some(inside) = INSIDE_BODY.get() {
+                inside(self.0);
+            }
+            event(format!("{} request body returns", self.0));
+            Action::Pause
+        }
+
+        fn on_response_headers(&mut self, _end_of_stream: bool) -> Action {
+            event(format!("{} response headers", self.0));
+            Action::Pause
+        }
+
+        fn on_http_call_response(&mut self, token: u32, body_size: usize) {
+            event(format!("{} answer {token} {body_size}", self.0));
+        }
+
+        fn on_done(&mut self) {
+            event(format!("{} done", self.0));
+        }
+    }
+
+    /// A root and one request of it, as Envoy creates them.
+    fn started() {
+        set_root_factory(|root_id| Box::new(TestRoot(root_id)));
+        proxy_on_context_create(ROOT, 0);
+        assert_eq!(proxy_on_configure(ROOT, 0), 1);
+        proxy_on_context_create(REQUEST, ROOT);
+        proxy_on_context_create(OTHER, ROOT);
+        assert_eq!(
+            proxy_on_request_headers(REQUEST, 3, 0),
+            Action::Pause as u32
+        );
+        assert_eq!(events(), ["2 request headers"]);
+    }
+
+    /// Envoy's local reply from inside a host call of the request's, then the stream's end.
+    fn envoy_ends_the_stream(context_id: u32) {
+        let answer = proxy_on_response_headers(context_id, 1, 1);
+        event(format!("nested response headers: {answer}"));
+        proxy_on_log(context_id);
+        assert_eq!(proxy_on_done(context_id), 1);
+        proxy_on_delete(context_id);
+        event("host call returns".to_owned());
+    }
+
+    #[test]
+    fn a_stream_ended_inside_its_own_callback_ends_once_the_callback_returned() {
+        started();
+        INSIDE_BODY.set(Some(envoy_ends_the_stream));
+        assert_eq!(proxy_on_request_body(REQUEST, 10, 1), Action::Pause as u32);
+        assert_eq!(
+            events(),
+            [
+                "2 request body",
+                // Not entered again: Continue, and its end waits.
+                "nested response headers: 0",
+                "host call returns",
+                "2 request body returns",
+                "effective 2",
+                "2 done",
+            ]
+        );
+        // Deleted: Envoy's later calls for it reach nothing.
+        assert_eq!(
+            proxy_on_request_body(REQUEST, 10, 1),
+            Action::Continue as u32
+        );
+        assert!(events().is_empty());
+        // The others are untouched.
+        assert_eq!(proxy_on_request_headers(OTHER, 1, 1), Action::Pause as u32);
+        assert_eq!(events(), ["3 request headers"]);
+    }
+
+    #[test]
+    fn a_stream_ended_inside_a_callback_of_the_root_ends_at_once() {
+        started();
+        INSIDE_QUEUE_READY.set(Some(|_| envoy_ends_the_stream(REQUEST)));
+        proxy_on_queue_ready(ROOT, 7);
+        assert_eq!(
+            events(),
+            [
+                "root queue 7",
+                "2 response headers",
+                "nested response headers: 1",
+                "2 done",
+                "host call returns",
+                "root queue 7 returns",
+            ]
+        );
+        assert_eq!(
+            proxy_on_request_body(REQUEST, 1, 1),
+            Action::Continue as u32
+        );
+        assert!(events().is_empty());
+    }
+
+    #[test]
+    fn a_root_already_in_a_callback_is_not_entered_again() {
+        started();
+        INSIDE_QUEUE_READY.set(Some(|queue| {
+            if queue == 1 {
+                proxy_on_queue_ready(ROOT, 2);
+                proxy_on_tick(ROOT);
+            }
+        }));
+        proxy_on_queue_ready(ROOT, 1);
+        assert_eq!(events(), ["root queue 1", "root queue 1 returns"]);
+        // A request's callback may run one of the root's (the filter's prefill hand-over).
+        INSIDE_BODY.set(Some(|_| proxy_on_queue_ready(ROOT, 3)));
+        proxy_on_request_body(REQUEST, 1, 1);
+        assert_eq!(
+            events(),
+            [
+                "2 request body",
+                "root queue 3",
+                "root queue 3 returns",
+                "2 request body returns"
+            ]
+        );
+    }
+
+    #[test]
+    fn an_answer_goes_to_the_context_whose_callback_sent_the_call() {
+        started();
+        INSIDE_BODY.set(Some(|_| call_sent(10)));
+        INSIDE_QUEUE_READY.set(Some(|_| call_sent(11)));
+        proxy_on_request_body(REQUEST, 1, 1);
+        proxy_on_queue_ready(ROOT, 1);
+        // The root's call, sent from inside the request's callback, is the root's.
+        INSIDE_BODY.set(Some(|_| proxy_on_queue_ready(ROOT, 2)));
+        INSIDE_QUEUE_READY.set(Some(|queue| {
+            if queue == 2 {
+                call_sent(12);
+            }
+        }));
+        proxy_on_request_body(OTHER, 1, 1);
+        events();
+        proxy_on_http_call_response(ROOT, 10, 0, 5, 0);
+        proxy_on_http_call_response(ROOT, 11, 0, 6, 0);
+        proxy_on_http_call_response(ROOT, 12, 0, 7, 0);
+        // Answered once; unknown tokens reach nothing.
+        proxy_on_http_call_response(ROOT, 10, 0, 5, 0);
+        proxy_on_http_call_response(ROOT, 99, 0, 5, 0);
+        assert_eq!(
+            events(),
+            [
+                "effective 2",
+                "2 answer 10 5",
+                "effective 1",
+                "root answer 11 6",
+                "effective 1",
+                "root answer 12 7",
+            ]
+        );
+        // A request gone before its answer: the answer is dropped.
+        INSIDE_BODY.set(Some(|_| call_sent(13)));
+        proxy_on_request_body(OTHER, 1, 1);
+        proxy_on_done(OTHER);
+        proxy_on_delete(OTHER);
+        events();
+        proxy_on_http_call_response(ROOT, 13, 0, 1, 0);
+        assert!(events().is_empty());
+    }
+
+    #[test]
+    fn the_root_is_done_and_deleted() {
+        started();
+        assert_eq!(proxy_on_done(ROOT), 1);
+        proxy_on_delete(ROOT);
+        proxy_on_queue_ready(ROOT, 1);
+        assert_eq!(events(), ["root 1 done"]);
+        // A request of a deleted root is not created.
+        proxy_on_context_create(9, ROOT);
+        assert_eq!(proxy_on_request_headers(9, 1, 1), Action::Continue as u32);
+        assert!(events().is_empty());
+    }
+
+    #[test]
+    fn allocations_are_the_exact_size_the_host_asked_for() {
+        for size in [0u32, 1, 17, 65_536] {
+            let data = proxy_on_memory_allocate(size);
+            assert!(!data.is_null());
+            let len = usize::try_from(size).unwrap();
+            // SAFETY: as `host` takes them back: a Vec of capacity `size`.
+            let bytes = unsafe {
+                std::ptr::write_bytes(data, 7, len);
+                Vec::from_raw_parts(data, len, len)
+            };
+            assert!(bytes.iter().all(|&byte| byte == 7));
+        }
+    }
 }

@@ -7,7 +7,8 @@
 //! [`decode_outage`], [`vm_roots`], [`request_id`], [`json`], [`log_budget`] and [`api`].
 //! `filter`, `host`, `logger` and `stats` are the thin adapter to the proxy-wasm host; they
 //! are only built for wasm32 and left out of test builds, so that the unit tests also run as
-//! wasm32 (under Node's WASI).
+//! wasm32 (under Node's WASI). `dispatch` (the module's exports and its registry of contexts)
+//! is built for wasm32 and for the unit tests, there without its host calls.
 
 // What runs inside Envoy must not panic: a panic kills the VM for every later request.
 #![cfg_attr(
@@ -38,7 +39,8 @@ pub mod request_id;
 pub mod session;
 pub mod vm_roots;
 
-#[cfg(all(target_arch = "wasm32", not(test)))]
+// Also in the unit tests (native and wasm32), without its host calls.
+#[cfg(any(test, target_arch = "wasm32"))]
 mod dispatch;
 #[cfg(all(target_arch = "wasm32", not(test)))]
 mod filter;
