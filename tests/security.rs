@@ -362,6 +362,51 @@ async fn an_envoy_buffer_below_the_body_limit_gives_envoys_413_and_envoy_lives()
     run_cases_then_still_serves(cases, listener).await;
 }
 
+#[tokio::test]
+async fn an_answer_rewritten_past_envoys_buffer_leaves_envoy_running() {
+    // undersized_answer: Envoy buffers at most 65536 bytes, the filter rewrites answers up to
+    // its default 1 MiB. Decode's answer ends with trailers, so the filter rewrites it in
+    // Envoy's buffer, and prefill's prompt logprobs (about 55 bytes a word, 3,000 words) take
+    // it past the buffer: Envoy answers 500 or resets the stream from inside the filter's
+    // set_buffer, and calls the filter back (the end of its stream included) while its
+    // callback still runs, which crashed Envoy with the published proxy-wasm dispatcher.
+    let listener = "undersized_answer";
+    let id = unique_id("undersized-answer");
+    let prompt = format!("{id} {}", "a ".repeat(3000));
+    let body = json!({
+        "model": "m", "prompt": prompt, "max_tokens": 3, "prompt_logprobs": 1
+    })
+    .to_string();
+    assert!(body.len() < 65536);
+    let outcome = Request::post(listener, "/v1/completions")
+        .id(&id)
+        .body(body)
+        .timeout(Duration::from_secs(60))
+        .try_send()
+        .await;
+    match &outcome {
+        Ok(reply) => {
+            eprintln!("{listener}: {} {}", reply.status, preview(&reply.body));
+            assert_eq!(reply.status, 500, "{}", preview(&reply.body));
+        }
+        // The answer's headers had gone: Envoy resets the stream.
+        Err(error) => eprintln!("{listener}: {error}"),
+    }
+    assert_envoy_alive();
+    assert_healthy();
+    // Its decode is no mock: a small answer on it, then a request served by the mocks.
+    let small = json!({"model": "m", "prompt": format!("{id} again"), "max_tokens": 3});
+    let reply = post_json(
+        listener,
+        "/v1/completions",
+        &unique_id("small"),
+        small.to_string(),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{listener}: {}", reply.body);
+    assert_still_serves("undersized_buffer").await;
+}
+
 async fn body_growing_past_envoys_buffer(listener: &'static str, sizes: &[usize]) {
     let mut cases = Vec::new();
     for &size in sizes {

@@ -155,6 +155,13 @@ pub const LISTENERS: &[Listener] = &[
         buffer_limit_bytes: 65536,
         ..plain("undersized_buffer", "")
     },
+    // The same, to a decode whose JSON answer ends with trailers: the filter holds it in
+    // Envoy's buffer and rewrites it there (tests/security.rs).
+    Listener {
+        buffer_limit_bytes: 65536,
+        decode_route: DecodeRoute::Trailers,
+        ..plain("undersized_answer", "")
+    },
     // Envoy's default buffer limit and the filter's default body limit, as on Istio's
     // gateway when the plugin's configuration leaves the limit out (tests/security.rs).
     Listener {
