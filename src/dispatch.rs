@@ -67,6 +67,9 @@ pub trait Stream {
 
 /// How the filter makes a root context, given its id.
 type NewRoot = fn(u32) -> Box<dyn Root>;
+/// The context of a stream its root cannot make (the root unknown, or in a callback): one
+/// that answers the client itself, so that no request goes on without the filter.
+type NewUnserved = fn() -> Box<dyn Stream>;
 type RootCell = Rc<RefCell<Box<dyn Root>>>;
 type StreamCell = Rc<RefCell<Box<dyn Stream>>>;
 
@@ -86,6 +89,7 @@ enum Deferred {
 #[derive(Default)]
 struct Registry {
     new_root: Cell<Option<NewRoot>>,
+    new_unserved: Cell<Option<NewUnserved>>,
     contexts: RefCell<HashMap<u32, Context>>,
     /// The context that sent each call still unanswered, by the host's token.
     calls: RefCell<HashMap<u32, u32>>,
@@ -101,9 +105,13 @@ thread_local! {
     static REGISTRY: Registry = Registry::default();
 }
 
-/// Sets how root contexts are made; called once, when the VM starts.
-pub fn set_root_factory(new_root: NewRoot) {
-    REGISTRY.with(|registry| registry.new_root.set(Some(new_root)));
+/// Sets how root contexts are made, and the streams no root can make; called once, when
+/// the VM starts.
+pub fn set_factories(new_root: NewRoot, new_unserved: NewUnserved) {
+    REGISTRY.with(|registry| {
+        registry.new_root.set(Some(new_root));
+        registry.new_unserved.set(Some(new_unserved));
+    });
 }
 
 /// Sends an HTTP call as the context whose callback runs: its answer comes to that context.
@@ -332,12 +340,17 @@ pub extern "C" fn proxy_on_context_create(context_id: u32, parent_id: u32) {
         });
         return;
     }
-    let Some(parent) = root(parent_id) else {
-        return;
+    let made_by_root = root(parent_id).and_then(|parent| {
+        let parent = parent.try_borrow().ok()?;
+        Some(parent.create_http_context(context_id))
+    });
+    let unserved = || {
+        REGISTRY
+            .with(|registry| registry.new_unserved.get())
+            .map(|new| new())
     };
-    let created = match parent.try_borrow() {
-        Ok(parent) => parent.create_http_context(context_id),
-        Err(_) => return,
+    let Some(created) = made_by_root.or_else(unserved) else {
+        return;
     };
     let stream: StreamCell = Rc::new(RefCell::new(created));
     REGISTRY.with(|registry| {
@@ -560,9 +573,19 @@ mod tests {
         }
     }
 
+    /// What the filter makes for a stream its root cannot: it answers the client itself.
+    struct Unserved;
+
+    impl Stream for Unserved {
+        fn on_request_headers(&mut self, _end_of_stream: bool) -> Action {
+            event("unserved request headers".to_owned());
+            Action::Pause
+        }
+    }
+
     /// A root and one request of it, as Envoy creates them.
     fn started() {
-        set_root_factory(|root_id| Box::new(TestRoot(root_id)));
+        set_factories(|root_id| Box::new(TestRoot(root_id)), || Box::new(Unserved));
         proxy_on_context_create(ROOT, 0);
         assert_eq!(proxy_on_configure(ROOT, 0), 1);
         proxy_on_context_create(REQUEST, ROOT);
@@ -633,6 +656,23 @@ mod tests {
             Action::Continue as u32
         );
         assert!(events().is_empty());
+    }
+
+    #[test]
+    fn a_stream_its_root_cannot_make_is_never_passed_on_without_the_filter() {
+        started();
+        const LATE: u32 = 7;
+        INSIDE_QUEUE_READY.set(Some(|_| proxy_on_context_create(LATE, ROOT)));
+        proxy_on_queue_ready(ROOT, 1);
+        proxy_on_context_create(8, 99);
+        events();
+        for stream in [LATE, 8] {
+            assert_eq!(proxy_on_request_headers(stream, 1, 0), Action::Pause as u32);
+        }
+        assert_eq!(
+            events(),
+            ["unserved request headers", "unserved request headers"]
+        );
     }
 
     #[test]
@@ -710,10 +750,10 @@ mod tests {
         proxy_on_delete(ROOT);
         proxy_on_queue_ready(ROOT, 1);
         assert_eq!(events(), ["root 1 done"]);
-        // A request of a deleted root is not created.
+        // A request of a deleted root is not passed on without the filter.
         proxy_on_context_create(9, ROOT);
-        assert_eq!(proxy_on_request_headers(9, 1, 1), Action::Continue as u32);
-        assert!(events().is_empty());
+        assert_eq!(proxy_on_request_headers(9, 1, 1), Action::Pause as u32);
+        assert_eq!(events(), ["unserved request headers"]);
     }
 
     #[test]

@@ -45,8 +45,9 @@ use crate::logger;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
 use crate::session::{
-    reply_without_configuration, BodyStep, Command, Flow, HostFailure, HttpCall, Metric,
-    PrefillHead, ResponseHead, Session, Step, FILTER_RAN_FILTER_STATE,
+    reply_without_configuration, reply_without_context, BodyStep, Command, Flow, HostFailure,
+    HttpCall, LocalReply, Metric, PrefillHead, ResponseHead, Session, Step,
+    FILTER_RAN_FILTER_STATE,
 };
 use crate::stats::Stats;
 use crate::vm_roots::VmRoots;
@@ -69,15 +70,18 @@ thread_local! {
 /// The VM's start ([`dispatch`]'s `_initialize`): the logger, and how roots are made.
 pub fn start() {
     logger::install(LogLevel::Info);
-    dispatch::set_root_factory(|root_id| -> Box<dyn Root> {
-        Box::new(PdRoot {
-            config: None,
-            counted: false,
-            held: HeldBytes::new(0),
-            abandoned: AbandonedPrefills::default(),
-            worker: Rc::new(Worker::new(root_id)),
-        })
-    });
+    dispatch::set_factories(
+        |root_id| -> Box<dyn Root> {
+            Box::new(PdRoot {
+                config: None,
+                counted: false,
+                held: HeldBytes::new(0),
+                abandoned: AbandonedPrefills::default(),
+                worker: Rc::new(Worker::new(root_id)),
+            })
+        },
+        || Box::new(Refusing(reply_without_context)),
+    );
 }
 
 struct PdRoot {
@@ -907,7 +911,7 @@ impl Root for PdRoot {
         // (Envoy's /logging, `istioctl proxy-config log`) gets the next request's lines.
         follow_envoys_log_level();
         let Some(config) = self.config.clone() else {
-            return Box::new(Unconfigured);
+            return Box::new(Refusing(reply_without_configuration));
         };
         Box::new(PdRequest {
             request: Rc::new(Request {
@@ -946,12 +950,13 @@ struct PdRequest {
     worker: Rc<Worker>,
 }
 
-/// A request on a plugin whose configuration was refused: answered 500, never passed on.
-struct Unconfigured;
+/// A request the filter cannot serve (its plugin's configuration was refused, or its root
+/// could not make its context): answered with this reply, never passed on.
+struct Refusing(fn() -> LocalReply);
 
-impl Stream for Unconfigured {
+impl Stream for Refusing {
     fn on_request_headers(&mut self, _end_of_stream: bool) -> Action {
-        let reply = reply_without_configuration();
+        let reply = (self.0)();
         if let Err(status) = host::send_reply(reply.status, &reply.headers, &reply.body) {
             log::error!("could not send the error reply: {status:?}");
         }

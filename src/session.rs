@@ -195,7 +195,17 @@ pub struct PrefillHead<'a> {
 /// The answer to every request of a plugin whose configuration was refused (Envoy logged
 /// why when it was loaded).
 pub fn reply_without_configuration() -> LocalReply {
-    let error = ClientError::internal("pd-filter has no valid configuration");
+    internal_error_reply("pd-filter has no valid configuration")
+}
+
+/// The answer to a request whose context the plugin's root could not make (Envoy started
+/// the stream while the root was in a callback of its own).
+pub fn reply_without_context() -> LocalReply {
+    internal_error_reply("pd-filter could not take this request; try again")
+}
+
+fn internal_error_reply(message: &str) -> LocalReply {
+    let error = ClientError::internal(message);
     LocalReply {
         status: error.status,
         headers: vec![("content-type".to_owned(), "application/json".to_owned())],
