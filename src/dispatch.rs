@@ -217,14 +217,20 @@ fn is_deferred(context_id: u32) -> bool {
     })
 }
 
-/// Runs a stream callback; `busy` when the stream's context is unknown or already in one.
-fn on_stream(context_id: u32, callback: impl FnOnce(&mut dyn Stream) -> Action) -> u32 {
+/// Runs a stream callback; `unserved` is the answer when the stream's context is unknown or
+/// already in a callback: `Pause` on the request's side, so that no request goes on without
+/// the filter, `Continue` on the answer's, so that Envoy's own answer reaches the client.
+fn on_stream(
+    context_id: u32,
+    unserved: Action,
+    callback: impl FnOnce(&mut dyn Stream) -> Action,
+) -> u32 {
     let Some(stream) = stream(context_id) else {
-        return Action::Continue as u32;
+        return unserved as u32;
     };
     let action = run(context_id, move || match stream.try_borrow_mut() {
         Ok(mut stream) => callback(&mut **stream),
-        Err(_) => Action::Continue,
+        Err(_) => unserved,
     });
     action as u32
 }
@@ -388,7 +394,7 @@ pub extern "C" fn proxy_on_request_headers(
     _headers: u32,
     end_of_stream: u32,
 ) -> u32 {
-    on_stream(context_id, |stream| {
+    on_stream(context_id, Action::Pause, |stream| {
         stream.on_request_headers(flag(end_of_stream))
     })
 }
@@ -399,14 +405,16 @@ pub extern "C" fn proxy_on_request_body(
     body_size: u32,
     end_of_stream: u32,
 ) -> u32 {
-    on_stream(context_id, |stream| {
+    on_stream(context_id, Action::Pause, |stream| {
         stream.on_request_body(size(body_size), flag(end_of_stream))
     })
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_trailers(context_id: u32, _trailers: u32) -> u32 {
-    on_stream(context_id, |stream| stream.on_request_trailers())
+    on_stream(context_id, Action::Pause, |stream| {
+        stream.on_request_trailers()
+    })
 }
 
 #[no_mangle]
@@ -415,7 +423,7 @@ pub extern "C" fn proxy_on_response_headers(
     _headers: u32,
     end_of_stream: u32,
 ) -> u32 {
-    on_stream(context_id, |stream| {
+    on_stream(context_id, Action::Continue, |stream| {
         stream.on_response_headers(flag(end_of_stream))
     })
 }
@@ -426,14 +434,16 @@ pub extern "C" fn proxy_on_response_body(
     body_size: u32,
     end_of_stream: u32,
 ) -> u32 {
-    on_stream(context_id, |stream| {
+    on_stream(context_id, Action::Continue, |stream| {
         stream.on_response_body(size(body_size), flag(end_of_stream))
     })
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_response_trailers(context_id: u32, _trailers: u32) -> u32 {
-    on_stream(context_id, |stream| stream.on_response_trailers())
+    on_stream(context_id, Action::Continue, |stream| {
+        stream.on_response_trailers()
+    })
 }
 
 /// A call's answer, for the context that sent it; dropped when that context is gone (or,
@@ -457,7 +467,7 @@ pub extern "C" fn proxy_on_http_call_response(
         }
         Some(Context::Stream(_)) => {
             make_effective(sender);
-            let _ = on_stream(sender, |stream| {
+            let _ = on_stream(sender, Action::Continue, |stream| {
                 stream.on_http_call_response(token, body_size);
                 Action::Continue
             });
@@ -624,11 +634,8 @@ mod tests {
                 "2 done",
             ]
         );
-        // Deleted: Envoy's later calls for it reach nothing.
-        assert_eq!(
-            proxy_on_request_body(REQUEST, 10, 1),
-            Action::Continue as u32
-        );
+        // Deleted: Envoy's later calls for it reach nothing, and pass nothing on.
+        assert_eq!(proxy_on_request_body(REQUEST, 10, 1), Action::Pause as u32);
         assert!(events().is_empty());
         // The others are untouched.
         assert_eq!(proxy_on_request_headers(OTHER, 1, 1), Action::Pause as u32);
@@ -651,11 +658,26 @@ mod tests {
                 "root queue 7 returns",
             ]
         );
-        assert_eq!(
-            proxy_on_request_body(REQUEST, 1, 1),
-            Action::Continue as u32
-        );
+        assert_eq!(proxy_on_request_body(REQUEST, 1, 1), Action::Pause as u32);
         assert!(events().is_empty());
+    }
+
+    #[test]
+    fn a_request_callback_of_a_stream_already_in_one_lets_nothing_through() {
+        started();
+        INSIDE_BODY.set(Some(|context_id| {
+            let answer = proxy_on_request_body(context_id, 1, 1);
+            event(format!("nested request body: {answer}"));
+        }));
+        proxy_on_request_body(REQUEST, 1, 0);
+        assert_eq!(
+            events(),
+            [
+                "2 request body",
+                "nested request body: 1",
+                "2 request body returns"
+            ]
+        );
     }
 
     #[test]
