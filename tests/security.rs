@@ -323,13 +323,7 @@ async fn an_envoy_buffer_below_the_body_limit_gives_envoys_413_and_envoy_lives()
             cases.push(case(format!("{size} bytes, {framing}"), async move {
                 let context = format!("{listener}: {size} bytes, {framing}");
                 let id = unique_id("undersized");
-                let (body, _prompt) = sized_body(&id, size);
-                let request = Request::post(listener, "/v1/completions").id(&id);
-                let request = match framing {
-                    "chunked" => request.chunked(body, 8192),
-                    _ => request.body(body),
-                };
-                let reply = send(request).await;
+                let (reply, _prompt) = sized_upload(listener, &id, size, framing).await;
                 eprintln!("{context}: {} {}", reply.status, reply.body);
                 assert_envoy_alive();
                 assert_eq!(reply.status, 413, "{context}: {}", reply.body);
@@ -407,6 +401,18 @@ async fn an_answer_rewritten_past_envoys_buffer_leaves_envoy_running() {
     assert_still_serves("undersized_buffer").await;
 }
 
+/// A completions body of exactly `size` bytes ([`sized_body`]), sent with a content-length
+/// or chunked; the reply and the body's prompt.
+async fn sized_upload(listener: &str, id: &str, size: usize, framing: &str) -> (Reply, String) {
+    let (body, prompt) = sized_body(id, size);
+    let request = Request::post(listener, "/v1/completions").id(id);
+    let request = match framing {
+        "chunked" => request.chunked(body, 8192),
+        _ => request.body(body),
+    };
+    (send(request).await, prompt)
+}
+
 async fn body_growing_past_envoys_buffer(listener: &'static str, sizes: &[usize]) {
     let mut cases = Vec::new();
     for &size in sizes {
@@ -414,13 +420,7 @@ async fn body_growing_past_envoys_buffer(listener: &'static str, sizes: &[usize]
             cases.push(case(format!("{size} bytes, {framing}"), async move {
                 let context = format!("{listener}: {size} bytes, {framing}");
                 let id = unique_id("tight");
-                let (body, prompt) = sized_body(&id, size);
-                let request = Request::post(listener, "/v1/completions").id(&id);
-                let request = match framing {
-                    "chunked" => request.chunked(body, 8192),
-                    _ => request.body(body),
-                };
-                let reply = send(request).await;
+                let (reply, prompt) = sized_upload(listener, &id, size, framing).await;
                 eprintln!("{context}: {} {}", reply.status, reply.body);
                 assert_envoy_alive();
                 match reply.status {
