@@ -1789,3 +1789,46 @@ async fn an_error_message_quoting_the_client_cannot_forge_log_lines() {
     }
     assert!(!log.contains('\u{2028}'));
 }
+
+/// A `content-encoding` whose value is not UTF-8 (HTTP/1.1 carries any byte above 0x7f) was
+/// read as no header at all: `content-encoding: gzip\xff` passed the filter's check on what
+/// the client declared, and decode got the header as the client sent it. Such a coding is
+/// refused like any other the filter does not take, before prefill.
+#[tokio::test]
+async fn a_content_coding_that_is_not_utf8_is_400_before_prefill() {
+    use raw_http::{exchange, Writing};
+    let mut cases = Vec::new();
+    for (name, value) in [
+        ("content-encoding", &b"gzip\xff"[..]),
+        ("content-encoding", b"\xff"),
+    ] {
+        cases.push(case(format!("{name}: {value:?}"), async move {
+            let id = unique_id("non-utf8-header");
+            let body = marked_body(&format!("{id} odd header"));
+            let mut request = format!(
+                "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\nx-request-id: {id}\r\n"
+            )
+            .into_bytes();
+            request.extend_from_slice(b"content-type: application/json\r\n");
+            request.extend_from_slice(name.as_bytes());
+            request.extend_from_slice(b": ");
+            request.extend_from_slice(value);
+            request.extend_from_slice(
+                format!("\r\ncontent-length: {}\r\n\r\n{body}", body.len()).as_bytes(),
+            );
+            let port = harness().port("default");
+            let outcome = exchange(
+                port,
+                request,
+                "POST",
+                Writing::default(),
+                Duration::from_secs(30),
+            )
+            .await;
+            let context = format!("{name}: {value:?}");
+            assert_refused_before_decode(&id, &context, || outcome.response(&context));
+            assert!(prefilled(&id).is_empty(), "{context}: prefill was called");
+        }));
+    }
+    run_cases_then_still_serves(cases, "default").await;
+}

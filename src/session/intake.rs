@@ -150,8 +150,12 @@ impl Session {
         self.api = Some(api);
 
         self.take_request_id(headers, &mut commands);
-        let checked = check_content_type(headers.text("content-type"))
-            .and_then(|()| check_content_encoding(headers.text("content-encoding")));
+        // A content-type that is not UTF-8 reads as none: decode gets application/json.
+        let checked = check_content_type(headers.text("content-type")).and_then(|()| {
+            readable_header(headers, "content-encoding")
+                .map_err(|value| ClientError::body_encoded(&value))
+                .and_then(check_content_encoding)
+        });
         if let Err(error) = checked {
             commands.extend(self.reject(&error));
             return Step::new(Flow::Pause, commands);
@@ -432,6 +436,21 @@ impl Session {
             }
         }
         prefill_headers
+    }
+}
+
+/// Header `name`'s first value as text, `None` when absent. A value that is not UTF-8 is
+/// `Err` with its lossy text: read as absent, a `content-encoding: gzip\xff` would pass the
+/// check made on what the client declared, and reach decode as the client sent it.
+fn readable_header<'h, H: HeaderLookup + ?Sized>(
+    headers: &'h H,
+    name: &str,
+) -> Result<Option<&'h str>, String> {
+    match headers.value(name) {
+        None => Ok(None),
+        Some(value) => std::str::from_utf8(value)
+            .map(Some)
+            .map_err(|_| String::from_utf8_lossy(value).into_owned()),
     }
 }
 

@@ -221,6 +221,28 @@ fn request_headers_the_host_cannot_give_are_a_500() {
 }
 
 #[test]
+fn a_content_coding_that_is_not_utf8_is_refused_not_read_as_absent() {
+    for (name, value) in [
+        ("content-encoding", &b"gzip\xff"[..]),
+        ("content-encoding", b"\xff"),
+    ] {
+        let mut list = headers("POST", "/v1/completions", &[]);
+        list.retain(|(existing, _)| existing != name);
+        list.push((name.to_owned(), value.to_vec()));
+        let mut s = session("{}");
+        let step = s.on_request_headers(&list, false);
+        let (status, body) = reply(&step.commands);
+        assert_eq!(status, 400, "{name}: {value:?}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|message| message.contains('\u{fffd}')),
+            "{name}: {body}"
+        );
+    }
+}
+
+#[test]
 fn an_orchestrated_request_goes_through_prefill_then_decode() {
     let mut session = session(r#"{"prefill_time_header":"x-pd-prefill-ms"}"#);
     let step = session.on_request_headers(&post("/v1/chat/completions"), false);
