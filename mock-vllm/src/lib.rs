@@ -24,7 +24,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::task::JoinHandle;
 
 use proto::{Answer, Endpoint, Parsed};
@@ -109,7 +109,7 @@ pub struct MockServer {
 impl MockServer {
     /// Binds `addr` (e.g. "127.0.0.1:0") and serves `role` on the current tokio runtime.
     pub async fn start(role: Role, addr: &str) -> io::Result<MockServer> {
-        let listener = TcpListener::bind(addr).await?;
+        let listener = listen(addr).await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             role,
@@ -172,6 +172,32 @@ impl Shared {
             .cloned()
             .collect()
     }
+}
+
+/// How many connections the kernel completes for a server before it accepts them. The
+/// standard library's (and tokio's) 128 is less than the tests' bursts: a few hundred
+/// requests at once, each of which Envoy connects to prefill and decode for. Past it the
+/// kernel drops the connection's SYN, its retransmission comes a second later, and Envoy's
+/// 1 s connect timeout ends the connection and every request waiting in that pool (a 503,
+/// "connection timeout", for a request of another test). Linux caps it at somaxconn.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listener on the first address `addr` resolves to, with [`LISTEN_BACKLOG`].
+async fn listen(addr: &str) -> io::Result<TcpListener> {
+    let mut last = io::Error::new(io::ErrorKind::InvalidInput, format!("no address in {addr}"));
+    for addr in tokio::net::lookup_host(addr).await? {
+        let socket = if addr.is_ipv4() {
+            TcpSocket::new_v4()?
+        } else {
+            TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        match socket.bind(addr) {
+            Ok(()) => return socket.listen(LISTEN_BACKLOG),
+            Err(error) => last = error,
+        }
+    }
+    Err(last)
 }
 
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
