@@ -1803,6 +1803,38 @@ async fn an_error_message_quoting_the_client_cannot_forge_log_lines() {
     assert!(!log.contains('\u{2028}'));
 }
 
+/// Istio's gateway lets WebSocket upgrades through on every route, and its `WasmPlugin`
+/// passes request headers on at once: a `POST` to a generation path asking for an upgrade
+/// reached decode as headers alone (decode's 101 to the client), its body held for a
+/// prefill that never started. The filter now refuses an upgrade on every path it
+/// orchestrates or strips, before anything goes on. (The test listeners that pass headers
+/// on at once allow WebSocket upgrades, as Istio does.)
+#[tokio::test]
+async fn a_protocol_upgrade_on_a_generation_path_is_400_before_decode() {
+    let mut cases = Vec::new();
+    for (listener, path) in [
+        ("passed", "/v1/completions"),
+        ("passed", "/v1/chat/completions"),
+        ("stripping", "/v1/completions"),
+    ] {
+        cases.push(case(format!("{listener} {path}"), async move {
+            let id = unique_id("upgrade");
+            let body = marked_body(&format!("{id} upgrade"));
+            let upgrade = [
+                ("upgrade", "websocket"),
+                ("connection", "upgrade"),
+                ("sec-websocket-version", "13"),
+                ("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ=="),
+            ];
+            let port = harness().port(listener);
+            let outcome = post_raw(port, path, &id, &upgrade, body.as_bytes()).await;
+            assert_refused_before_decode(&id, path, || outcome.response(path));
+            assert!(prefilled(&id).is_empty(), "{path}: prefill was called");
+        }));
+    }
+    run_cases_then_still_serves(cases, "passed").await;
+}
+
 /// A `content-encoding` whose value is not UTF-8 (HTTP/1.1 carries any byte above 0x7f) was
 /// read as no header at all: `content-encoding: gzip\xff` passed the filter's check on what
 /// the client declared, and decode got the header as the client sent it. Such a coding is

@@ -129,6 +129,17 @@ impl ClientError {
         )
     }
 
+    /// A request for a protocol upgrade (WebSocket) on a path the filter orchestrates or
+    /// strips. Envoy as shipped refuses upgrades itself; Istio's gateway lets WebSocket
+    /// upgrades through, and decode would get the headers of a request whose body waits for
+    /// a prefill that never starts.
+    pub fn upgrade_refused(protocol: &str) -> ClientError {
+        let shown: String = protocol.chars().take(64).collect();
+        ClientError::bad_request(format!(
+            "protocol upgrade {shown:?} is not served on this path: send the request as plain HTTP"
+        ))
+    }
+
     /// A media type that is not JSON: 400 and vLLM's words, as vLLM answers it (older
     /// releases answered 415), so that SDKs raise their bad-request error.
     pub fn content_type_not_json(content_type: &str) -> ClientError {

@@ -109,7 +109,18 @@ impl Session {
             .unwrap_or_default();
         let method = headers.text(":method").unwrap_or_default();
         let is_post = method == "POST";
-        let api = match config.classify_path(&path) {
+        let verdict = config.classify_path(&path);
+        let filtered = matches!(
+            verdict,
+            PathVerdict::Orchestrate(_) | PathVerdict::StripKvTransferParams
+        );
+        if let Some(protocol) = headers.value("upgrade").filter(|_| filtered) {
+            let protocol = String::from_utf8_lossy(protocol).into_owned();
+            self.take_request_id(headers, &mut commands);
+            commands.extend(self.reject(&ClientError::upgrade_refused(&protocol)));
+            return Step::new(Flow::Pause, commands);
+        }
+        let api = match verdict {
             PathVerdict::Orchestrate(api) if is_post => api,
             // Envoy's HTTP/2 codec takes `post`, its HTTP/1 codec does not. Methods are
             // case-sensitive, but a server that read it as POST would serve the client's

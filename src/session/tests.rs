@@ -243,6 +243,43 @@ fn a_content_coding_that_is_not_utf8_is_refused_not_read_as_absent() {
 }
 
 #[test]
+fn a_protocol_upgrade_on_a_filtered_path_is_refused_and_elsewhere_passed_on() {
+    let config = r#"{"paths":["/v1/chat/completions"]}"#;
+    for (method, path) in [
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+    ] {
+        let mut s = session(config);
+        let list = headers(
+            method,
+            path,
+            &[("upgrade", "websocket"), ("connection", "upgrade")],
+        );
+        let step = s.on_request_headers(&list, false);
+        assert_eq!(step.flow, Flow::Pause, "{method} {path}");
+        let (status, body) = reply(&step.commands);
+        assert_eq!(status, 400, "{method} {path}");
+        assert_eq!(body["error"]["type"], "BadRequestError", "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|message| message.contains("\"websocket\"")),
+            "{body}"
+        );
+    }
+    // vLLM's realtime API is a WebSocket of decode's own.
+    let mut s = session(config);
+    let list = headers("GET", "/v1/realtime", &[("upgrade", "websocket")]);
+    let step = s.on_request_headers(&list, true);
+    assert_eq!(step.flow, Flow::Continue);
+    assert!(!step
+        .commands
+        .iter()
+        .any(|c| matches!(c, Command::SendReply(_))));
+}
+
+#[test]
 fn an_orchestrated_request_goes_through_prefill_then_decode() {
     let mut session = session(r#"{"prefill_time_header":"x-pd-prefill-ms"}"#);
     let step = session.on_request_headers(&post("/v1/chat/completions"), false);

@@ -1081,6 +1081,13 @@ fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
         config["max_request_body_bytes"] = serde_json::json!(SHIPPED_MAX_REQUEST_BODY_BYTES);
     }
     let plugin_config = serde_json::to_string(&config.to_string()).expect("json string");
+    // A listener that passes request headers on at once stands for Istio's gateway, which
+    // also lets WebSocket upgrades through on every route.
+    let upgrades = if listener.allow_on_headers_stop_iteration {
+        ""
+    } else {
+        "          upgrade_configs: [{ upgrade_type: websocket }]\n"
+    };
     format!(
         r#"  - name: {name}
     address:
@@ -1092,7 +1099,7 @@ fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: {name}
-          route_config:
+{upgrades}          route_config:
             virtual_hosts:
             - name: decode
               domains: ["*"]
@@ -1137,6 +1144,7 @@ fn listener_yaml(listener: &Listener, wasm: &Path) -> String {
         routes = routes_yaml(listener.decode_route),
         allow = listener.allow_on_headers_stop_iteration,
         buffer_limit = listener.buffer_limit_bytes,
+        upgrades = upgrades,
         wasm = wasm.display()
     )
 }
