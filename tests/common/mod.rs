@@ -477,7 +477,7 @@ fn start() -> Harness {
 /// range of ephemeral ports: a port in that range may become a connection's own end (even,
 /// when Envoy connects to it while it is closed, a connection to itself), and a mock could
 /// then not bind it. Each call gives another port.
-fn closed_port() -> u16 {
+pub fn closed_port() -> u16 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
