@@ -17,6 +17,17 @@ pub trait HeaderLookup {
         self.value(name)
             .and_then(|value| std::str::from_utf8(value).ok())
     }
+
+    /// The value as text, `None` when absent; a value that is not UTF-8 is `Err` with its
+    /// lossy text, for a check that must not read it as absent.
+    fn text_or_lossy(&self, name: &str) -> Result<Option<&str>, String> {
+        match self.value(name) {
+            None => Ok(None),
+            Some(value) => std::str::from_utf8(value)
+                .map(Some)
+                .map_err(|_| String::from_utf8_lossy(value).into_owned()),
+        }
+    }
 }
 
 impl HeaderLookup for [(String, Vec<u8>)] {

@@ -161,9 +161,11 @@ impl Session {
         self.api = Some(api);
 
         self.take_request_id(headers, &mut commands);
-        // A content-type that is not UTF-8 reads as none: decode gets application/json.
+        // A content-type that is not UTF-8 reads as none: decode gets application/json. A
+        // coding that is not UTF-8 must not: read as none, `gzip\xff` would reach decode.
         let checked = check_content_type(headers.text("content-type")).and_then(|()| {
-            readable_header(headers, "content-encoding")
+            headers
+                .text_or_lossy("content-encoding")
                 .map_err(|value| ClientError::body_encoded(&value))
                 .and_then(check_content_encoding)
         });
@@ -447,21 +449,6 @@ impl Session {
             }
         }
         prefill_headers
-    }
-}
-
-/// Header `name`'s first value as text, `None` when absent. A value that is not UTF-8 is
-/// `Err` with its lossy text: read as absent, a `content-encoding: gzip\xff` would pass the
-/// check made on what the client declared, and reach decode as the client sent it.
-fn readable_header<'h, H: HeaderLookup + ?Sized>(
-    headers: &'h H,
-    name: &str,
-) -> Result<Option<&'h str>, String> {
-    match headers.value(name) {
-        None => Ok(None),
-        Some(value) => std::str::from_utf8(value)
-            .map(Some)
-            .map_err(|_| String::from_utf8_lossy(value).into_owned()),
     }
 }
 
