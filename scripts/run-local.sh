@@ -1,15 +1,47 @@
 #!/usr/bin/env bash
 # Starts the mock vLLM servers in the background and Envoy with the filter in the foreground
 # (envoy/envoy.yaml). Ctrl-C stops both.
+#
+# Ports: PD_LISTEN_PORT (10000), PD_ADMIN_PORT (9901), PD_PREFILL_PORT (8100) and
+# PD_DECODE_PORT (8200) move them, for a machine where one is taken; Envoy then runs a copy
+# of envoy/envoy.yaml with those ports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 envoy_bin=${ENVOY:-envoy}
+listen=${PD_LISTEN_PORT:-10000}
+admin=${PD_ADMIN_PORT:-9901}
+prefill=${PD_PREFILL_PORT:-8100}
+decode=${PD_DECODE_PORT:-8200}
+for port in "$listen" "$admin" "$prefill" "$decode"; do
+  [[ $port =~ ^[1-9][0-9]{0,4}$ && $port -le 65535 ]] || {
+    echo "run-local.sh: \"$port\" is not a port number" >&2
+    exit 2
+  }
+done
 
-target/debug/mock-vllm --prefill 127.0.0.1:8100 --decode 127.0.0.1:8200 &
+# Writes stdin with the default ports (after `prefix`) replaced, in one pass, so that a
+# chosen port that is another's default is not replaced again.
+with_ports() {
+  local prefix=$1
+  sed -e "s/${prefix}10000\b/${prefix}@listen@/g" -e "s/${prefix}9901\b/${prefix}@admin@/g" \
+    -e "s/${prefix}8100\b/${prefix}@prefill@/g" -e "s/${prefix}8200\b/${prefix}@decode@/g" |
+    sed -e "s/@listen@/$listen/g" -e "s/@admin@/$admin/g" -e "s/@prefill@/$prefill/g" \
+      -e "s/@decode@/$decode/g"
+}
+
+config=envoy/envoy.yaml
+cleanup() { kill "${mock_pid:-}" 2>/dev/null || true; }
+if [[ $listen != 10000 || $admin != 9901 || $prefill != 8100 || $decode != 8200 ]]; then
+  config=$(mktemp --suffix=.yaml "${TMPDIR:-/tmp}/pd-filter-envoy-XXXXXX")
+  cleanup() { kill "${mock_pid:-}" 2>/dev/null || true; rm -f "$config"; }
+  with_ports "port_value: " <envoy/envoy.yaml >"$config"
+fi
+trap cleanup EXIT
+
+target/debug/mock-vllm --prefill "127.0.0.1:$prefill" --decode "127.0.0.1:$decode" &
 mock_pid=$!
-trap 'kill $mock_pid 2>/dev/null || true' EXIT
 
-cat <<'MSG'
+with_ports ":" <<'MSG'
 
 pd-filter is starting: clients talk to Envoy on http://127.0.0.1:10000 (admin on :9901).
 Try, from another terminal:
@@ -45,4 +77,4 @@ What each mock received: curl -s http://127.0.0.1:8100/mock/requests (prefill), 
 prefill's KV issued and read: curl -s http://127.0.0.1:8100/mock/kv.
 
 MSG
-"$envoy_bin" -c envoy/envoy.yaml --concurrency 2 --use-dynamic-base-id -l warn --component-log-level wasm:info
+"$envoy_bin" -c "$config" --concurrency 2 --use-dynamic-base-id -l warn --component-log-level wasm:info
