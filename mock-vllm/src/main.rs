@@ -1,6 +1,7 @@
 //! `mock-vllm --prefill ADDR --decode ADDR`: mock vLLM prefill and/or decode servers.
 
 use mock_vllm::{MockServer, Role};
+use std::io::Write;
 
 const USAGE: &str = "usage: mock-vllm [--prefill ADDR] [--decode ADDR]  (at least one)
 
@@ -76,7 +77,9 @@ async fn main() {
     for (role, addr) in roles {
         match MockServer::start(role, &addr).await {
             Ok(server) => {
-                println!(
+                // A closed stdout (`make run | head`) must not stop the servers.
+                let _ = writeln!(
+                    std::io::stdout(),
                     "mock-vllm {} listening on {}",
                     role.as_str(),
                     server.local_addr()
