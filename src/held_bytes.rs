@@ -71,6 +71,30 @@ impl HeldBytes {
         })
     }
 
+    /// Grows `reservation`, one of this budget's, by `bytes`, within the limit a reservation
+    /// of its new size has; `false`, and the reservation as it was, when there is no room.
+    pub fn grow(&self, reservation: &mut Reservation, bytes: usize) -> bool {
+        let Some(size) = reservation.bytes.checked_add(bytes) else {
+            return false;
+        };
+        let limit = if size > SMALL_RESERVATION {
+            self.large_limit
+        } else {
+            self.limit
+        };
+        let Some(total) = self
+            .held
+            .get()
+            .checked_add(bytes)
+            .filter(|total| *total <= limit)
+        else {
+            return false;
+        };
+        self.held.set(total);
+        reservation.bytes = size;
+        true
+    }
+
     pub fn held(&self) -> usize {
         self.held.get()
     }
@@ -123,6 +147,21 @@ mod tests {
         assert_eq!(budget.held(), 0);
         assert!(budget.reserve(usize::MAX).is_none());
         assert!(HeldBytes::new(usize::MAX).reserve(usize::MAX).is_some());
+    }
+
+    #[test]
+    fn a_grown_reservation_counts_at_its_new_size() {
+        let budget = HeldBytes::with_room_for_small(64 * 1024, 32 * 1024);
+        let mut held = budget.reserve(10).unwrap();
+        assert!(budget.grow(&mut held, 20));
+        assert_eq!(budget.held(), 30);
+        // Past 16 KiB it is a large holding: three quarters of the budget at most.
+        assert!(!budget.grow(&mut held, 48 * 1024));
+        assert_eq!(budget.held(), 30, "unchanged when refused");
+        assert!(budget.grow(&mut held, 40 * 1024));
+        assert!(!budget.grow(&mut held, usize::MAX));
+        drop(held);
+        assert_eq!(budget.held(), 0, "all of it given back");
     }
 
     #[test]

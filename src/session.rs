@@ -34,7 +34,7 @@ mod release;
 use answer::AnswerRewrite;
 pub use answer::ResponseHead;
 pub use outcome::{Outcome, PrefillResult};
-use prefill::{HeldLogprobs, Pending, Prefill};
+use prefill::{kept_for_prefill, HeldLogprobs, Pending, Prefill};
 use release::UnreadKv;
 
 /// Marks the filter's KV release calls to decode, for decode's logs.

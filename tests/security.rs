@@ -1613,6 +1613,89 @@ async fn prompt_logprobs_leave_room_in_the_vm_for_other_requests() {
     assert_healthy();
 }
 
+/// What an orchestrated request keeps for its prefill call (the client's `:authority` and the
+/// headers `forward_headers` names, `authorization` by default: up to Envoy's 60 KiB of
+/// headers) is kept in the VM from its headers on, while the body uploads. Counted only once
+/// the body was whole, it let a client's uploads that never end hold the VM past its budget
+/// (an audit held 232 MB in one worker's VM with 4,000 such HTTP/2 streams, 58 KB each,
+/// never given back) where Envoy's heap monitor cannot see it. Counted from the headers on,
+/// such requests are refused past the budget like any other holding.
+#[tokio::test]
+async fn unfinished_uploads_count_what_they_keep_for_prefill_against_the_vm_budget() {
+    let _alone = SMALL_VM_BUDGET.lock().await;
+    // 60 uploads of 40 KB of headers each: past the budget (2 MiB, large holdings up to
+    // three quarters of it), on one HTTP/2 connection, so one worker and one VM.
+    const STALLED: usize = 60;
+    let credential = format!("Bearer {}", "k".repeat(40_000));
+    let sender = h2_connect(harness().port("small_vm_budget"))
+        .await
+        .expect("h2c connection");
+    let mut stalled = Vec::new();
+    for _ in 0..STALLED {
+        let request = http::Request::builder()
+            .method("POST")
+            .uri("http://localhost/v1/completions")
+            .header("content-type", "application/json")
+            .header("x-request-id", unique_id("vm-stalled"))
+            .header("authorization", credential.as_str())
+            .body(())
+            .expect("request");
+        let mut ready = sender.clone().ready().await.expect("h2 ready");
+        let (response, mut stream) = ready.send_request(request, false).expect("send_request");
+        stream
+            .send_data(
+                bytes::Bytes::from_static(b"{\"model\":\"m\",\"prompt\":"),
+                false,
+            )
+            .expect("send_data");
+        stalled.push((response, stream));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let body = json!({"model": "m", "prompt": "after the stalled uploads", "max_tokens": 3});
+    let post = |id: String, credential: Option<String>| {
+        let mut headers = vec![
+            ("content-type".to_owned(), "application/json".to_owned()),
+            ("x-request-id".to_owned(), id),
+        ];
+        headers.extend(credential.map(|value| ("authorization".to_owned(), value)));
+        let request = H2Request {
+            method: "POST".to_owned(),
+            path: "/v1/completions".to_owned(),
+            headers,
+            data: vec![body.to_string().into_bytes()],
+            trailers: vec![],
+            reset_after: None,
+        };
+        h2_exchange(&sender, request, Duration::from_secs(30))
+    };
+    // Another large holding: refused, as the budget is full.
+    let id = unique_id("vm-stalled-large");
+    let reply = post(id.clone(), Some(credential.clone()))
+        .await
+        .response(&id);
+    assert_eq!(reply.status, 503, "{id}: {}", preview(&reply.text()));
+    reply.assert_json_error(503, &id);
+    assert!(
+        reply.text().contains("max_vm_held_bytes"),
+        "{}",
+        reply.text()
+    );
+    assert!(prefilled(&id).is_empty() && decoded(&id).is_empty(), "{id}");
+    // An ordinary request still fits in the quarter large holdings leave.
+    let id = unique_id("vm-stalled-small");
+    let reply = post(id.clone(), None).await.response(&id);
+    assert_eq!(reply.status, 200, "{id}: {}", preview(&reply.text()));
+    // The uploads reset: what they held is given back.
+    drop(stalled);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let id = unique_id("vm-stalled-after");
+    let reply = post(id.clone(), Some(credential.clone()))
+        .await
+        .response(&id);
+    assert_eq!(reply.status, 200, "{id}: {}", preview(&reply.text()));
+    assert_healthy();
+}
+
 /// Completions put prefill's prompt logprobs into each of decode's choices. However the
 /// client spells `n`, as pydantic reads it, the copies are counted before decode runs: a
 /// spelling the filter once read as one (`"+40"`) let the answer grow to n copies in the VM,

@@ -207,12 +207,20 @@ impl Session {
                 }
             }
         }
-        commands.extend(decode_header_rewrites(headers));
         let prefill_headers = self.prefill_headers(headers, path);
+        // Kept while the body uploads, which may take until Envoy's request_timeout: counted
+        // now, so that uploads that never end cannot hold the VM past its budget.
+        let kept = kept_for_prefill(&prefill_headers, &self.request_id);
+        let Some(headers_held) = self.held.reserve(kept) else {
+            commands.extend(self.refuse_overloaded());
+            return Step::new(Flow::Pause, commands);
+        };
+        commands.extend(decode_header_rewrites(headers));
         self.state = State::Buffering(Pending {
             api,
             prefill_headers,
             scheduled_hosts,
+            headers_held,
         });
         // Hold the headers until prefill has answered (or, with a model header, until the
         // model is known, so that Envoy picks the route with it): Envoy's router would

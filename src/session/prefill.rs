@@ -39,6 +39,20 @@ pub(super) struct Pending {
     pub(super) api: Api,
     pub(super) prefill_headers: Vec<(String, String)>,
     pub(super) scheduled_hosts: Vec<SocketAddr>,
+    /// What the request keeps in the VM from its headers on ([`kept_for_prefill`]), counted
+    /// while its body uploads: uploads that never end must not hold the VM past its budget.
+    pub(super) headers_held: Reservation,
+}
+
+/// What a request keeps in the VM for its prefill call and KV release beyond one callback:
+/// the prefill call's headers (the client's `:authority` and forwarded headers among them)
+/// and its request id.
+pub(super) fn kept_for_prefill(prefill_headers: &[(String, String)], request_id: &str) -> usize {
+    prefill_headers
+        .iter()
+        .map(|(name, value)| name.len() + value.len())
+        .sum::<usize>()
+        + request_id.len()
 }
 
 /// The longest `model` a request keeps for its KV release.
@@ -268,16 +282,14 @@ impl Session {
         let model = prepared
             .model
             .filter(|model| model.len() <= MAX_KEPT_MODEL_LEN);
-        let kept = pending
-            .prefill_headers
-            .iter()
-            .map(|(name, value)| name.len() + value.len())
-            .sum::<usize>()
-            + model.as_ref().map_or(0, String::len)
-            + self.request_id.len();
-        let Some(headers_held) = self.held.reserve(kept) else {
+        // The headers and request id are counted since the headers came; the model now.
+        let mut headers_held = pending.headers_held;
+        if !self
+            .held
+            .grow(&mut headers_held, model.as_ref().map_or(0, String::len))
+        {
             return Step::new(Flow::Pause, self.refuse_overloaded());
-        };
+        }
         let Some(original) = HeldBody::keep(body, &prepared.decode, &self.held) else {
             return Step::new(Flow::Pause, self.refuse_overloaded());
         };

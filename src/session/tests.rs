@@ -2554,18 +2554,37 @@ fn answer_with(logprobs: &str) -> String {
 
 #[test]
 fn what_a_request_keeps_for_its_release_counts_and_a_huge_model_is_not_kept() {
-    // A client's forwarded headers (and request id) are kept until its KV is known to be
-    // read: past the VM's budget, the request is refused before prefill.
+    // A client's forwarded headers (and request id) are kept from its headers on, while its
+    // body uploads, until its KV is known to be read: past the VM's budget, the request is
+    // refused at its headers, before prefill.
     let config = r#"{"max_request_body_bytes":400,"max_vm_held_bytes":600}"#;
     let config = Rc::new(Config::from_json(config.as_bytes()).unwrap());
     let held = HeldBytes::new(config.max_vm_held_bytes);
     let token = "t".repeat(700);
     let big = headers("POST", "/v1/completions", &[("authorization", &token)]);
     let mut s = Session::new(config.clone(), held.clone());
-    s.on_request_headers(&big, false);
-    assert_eq!(s.on_request_body(14, true), BodyStep::ReadBody);
-    let step = s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
+    let step = s.on_request_headers(&big, false);
     assert_eq!(reply(&step.commands).0, 503);
+    assert_eq!(held.held(), 0);
+
+    // Counted while the body uploads, and given back when the client leaves.
+    let token = "t".repeat(300);
+    let upload = headers("POST", "/v1/completions", &[("authorization", &token)]);
+    let mut s = Session::new(config.clone(), held.clone());
+    let step = s.on_request_headers(&upload, false);
+    assert!(step
+        .commands
+        .iter()
+        .all(|c| !matches!(c, Command::SendReply(_))));
+    assert!(held.held() > token.len());
+    let mut other = Session::new(config.clone(), held.clone());
+    let step = other.on_request_headers(&upload, false);
+    assert_eq!(
+        reply(&step.commands).0,
+        503,
+        "the budget holds one such upload"
+    );
+    s.on_stream_done();
     assert_eq!(held.held(), 0);
 
     // A model name longer than any model's is not kept: the release names none.
