@@ -73,8 +73,10 @@ impl ResponseHead<'_> {
     }
 }
 
-pub(super) fn warn_answer_too_large(request_id: &str, limit: usize) {
-    log::warn!(
+pub(super) fn note_answer_too_large(request_id: &str, limit: usize) {
+    // Info, not a warning: the client's own request (many or long choices) makes such an
+    // answer, and info lines have a budget apart from the warnings an operator looks for.
+    log::info!(
         "[{request_id}] decode's answer is larger than {limit} bytes (max_request_body_bytes): \
          passed on as decode wrote it, without prefill's usage or prompt logprobs"
     );
@@ -153,7 +155,7 @@ impl Session {
                 // Empty, or larger than any answer worth holding: as decode wrote it.
                 Some(0) => None,
                 Some(length) if length > config.max_request_body_bytes => {
-                    warn_answer_too_large(&self.request_id, config.max_request_body_bytes);
+                    note_answer_too_large(&self.request_id, config.max_request_body_bytes);
                     None
                 }
                 length => Some(AnswerRewrite::Whole { length }),
@@ -247,7 +249,7 @@ impl Session {
                 AnswerRewrite::Whole { .. } if size > limit => {
                     *answer = AnswerRewrite::Untouched;
                     *prompt_logprobs = None;
-                    warn_answer_too_large(&self.request_id, limit);
+                    note_answer_too_large(&self.request_id, limit);
                     BodyStep::Step(Step::new(Flow::Continue, vec![]))
                 }
                 // Envoy gives decode's body, then the stream's end in a call of its own: an
@@ -324,7 +326,7 @@ impl Session {
                         limit,
                     );
                     if written.is_none() {
-                        log::warn!(
+                        log::info!(
                             "[{request_id}] prefill's prompt logprobs (or echo of the prompt) \
                              were not written into decode's answer: it has no choices to hold \
                              them, or would be larger than {limit} bytes with them \
@@ -373,7 +375,7 @@ impl Session {
         // written on its own (never more than the limit, which bounds what it holds) while
         // decode's chunk stays in Envoy's buffer as it is.
         if let Some(held) = given_up {
-            log::warn!(
+            log::info!(
                 "[{}] a chunk of decode's stream with prefill's usage would be larger than \
                  {limit} bytes (max_request_body_bytes): the rest of the stream goes on as \
                  decode wrote it, without prefill's usage",
@@ -394,7 +396,7 @@ impl Session {
         let rewritten = rewritten.filter(|rewritten| {
             let fits = rewritten.len() <= limit;
             if !fits {
-                log::warn!(
+                log::info!(
                     "[{}] the answer with prefill's usage and prompt logprobs would be larger \
                      than {limit} bytes; passed on as decode wrote it",
                     self.request_id
