@@ -346,6 +346,9 @@ impl<'a> JsonObject<'a> {
             emitted_any = true;
         }
         splice.original(self.close_brace..self.text.len());
+        // Planned for every member, kept for as long as a prefill call runs: only the pieces
+        // it has, not room for two per member (several times the body for many small ones).
+        splice.pieces.shrink_to_fit();
         splice
     }
 }
@@ -444,6 +447,13 @@ impl Splice {
                 Piece::Value(index) => values.get(*index).map_or(0, |value| value.len()),
             })
             .sum()
+    }
+
+    /// The bytes the plan itself takes in memory, beyond its own few.
+    pub fn heap_bytes(&self) -> usize {
+        self.pieces
+            .capacity()
+            .saturating_mul(std::mem::size_of::<Piece>())
     }
 
     /// Whether the document keeps the slot somewhere.
@@ -1562,6 +1572,30 @@ pub(crate) mod tests {
         let compared = key_comparisons() - before;
         assert_eq!(splice.write(text.as_bytes(), b"2"), br#"{"a":2,"p":1}"#);
         assert!(compared <= n_log_n_comparisons(n), "{compared}");
+    }
+
+    #[test]
+    fn a_splice_keeps_only_the_pieces_it_has() {
+        // A plan outlives the parse (kept while a prefill call runs): a document of many
+        // small members, few of them edited, must not leave it room for two per member.
+        let n = 100_000;
+        let text = format!(r#"{{"p":1{}}}"#, r#","":0"#.repeat(n));
+        let object = JsonObject::parse(text.as_bytes()).unwrap();
+        let splice = object.splice(|key| if key == "p" { Edit::Slot } else { Edit::Keep }, &[]);
+        assert_eq!(splice.pieces.len(), 3, "before, the slot, after");
+        assert_eq!(splice.heap_bytes(), 3 * std::mem::size_of::<Piece>());
+        // Where many members are edited, the plan has as many pieces, and says so.
+        let text = format!(r#"{{"p":1{}}}"#, r#","k":0,"":0"#.repeat(n));
+        let object = JsonObject::parse(text.as_bytes()).unwrap();
+        let splice = object.splice(
+            |key| if key == "k" { Edit::Remove } else { Edit::Keep },
+            &[],
+        );
+        assert!(splice.pieces.len() > n);
+        assert_eq!(
+            splice.heap_bytes(),
+            splice.pieces.len() * std::mem::size_of::<Piece>()
+        );
     }
 
     #[test]

@@ -157,6 +157,15 @@ impl DecodePlan {
         }
     }
 
+    /// The bytes the plan takes in memory beyond its own few: it lives as long as the
+    /// prefill call does.
+    pub fn heap_bytes(&self) -> usize {
+        self.without_kv
+            .as_ref()
+            .map_or(0, Splice::heap_bytes)
+            .saturating_add(self.with_kv.heap_bytes())
+    }
+
     /// Decode's body, whole ([`DecodePlan::edit_with_kv`] applied to `original`).
     pub fn body_with_kv(&self, original: &[u8], kv_transfer_params: &[u8]) -> Vec<u8> {
         self.edit_with_kv(original, kv_transfer_params)

@@ -115,6 +115,9 @@ pub(super) struct Prefill {
     pub(super) original: HeldBody,
     pub(super) model: Option<String>,
     pub(super) decode: DecodePlan,
+    /// The VM's budget `decode` takes: a plan of the client's members, as many as a large
+    /// body of small ones has, kept while prefill works.
+    pub(super) _plan_held: Reservation,
     /// Prefill's 2xx answer goes to the client as it is ([`PreparedRequest::answered_by_prefill`]).
     pub(super) answered_by_prefill: bool,
     pub(super) cluster: Rc<str>,
@@ -293,11 +296,15 @@ impl Session {
         let Some(original) = HeldBody::keep(body, &prepared.decode, &self.held) else {
             return Step::new(Flow::Pause, self.refuse_overloaded());
         };
+        let Some(plan_held) = self.held.reserve(prepared.decode.heap_bytes()) else {
+            return Step::new(Flow::Pause, self.refuse_overloaded());
+        };
         let prefill = Prefill {
             api: pending.api,
             original,
             model,
             decode: prepared.decode,
+            _plan_held: plan_held,
             answered_by_prefill: prepared.answered_by_prefill,
             cluster,
             prefill_headers: Rc::from(pending.prefill_headers),

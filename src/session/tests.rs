@@ -2456,8 +2456,8 @@ fn a_prefill_call_reset_after_its_answer_began_is_not_sent_again() {
 fn what_requests_hold_in_the_vm_stays_within_its_budget() {
     // Two requests' worth of a whole body each (the client's own kv_transfer_params keep
     // it whole), in a VM whose budget holds only one. Each also keeps its headers, model
-    // and request id (for its KV release), counted too.
-    let config = r#"{"max_request_body_bytes":400,"max_vm_held_bytes":600}"#;
+    // and request id (for its KV release), and the plan of decode's body, counted too.
+    let config = r#"{"max_request_body_bytes":400,"max_vm_held_bytes":800}"#;
     let config = Rc::new(Config::from_json(config.as_bytes()).unwrap());
     let held = HeldBytes::new(config.max_vm_held_bytes);
     let whole = format!(
@@ -2543,6 +2543,67 @@ fn what_requests_hold_in_the_vm_stays_within_its_budget() {
     refused_by_decode.on_prefill_answer(1, Some(200), answer_with(&logprobs).as_bytes(), at(5));
     assert!(held.held() > logprobs.len());
     refused_by_decode.on_response_headers(&upstream(400));
+    assert_eq!(held.held(), 0);
+}
+
+#[test]
+fn the_plan_of_decodes_body_counts_while_prefill_works() {
+    // Decode's body is planned from the client's members and kept until prefill answers:
+    // a body of many small members costs no more than its few pieces, and one whose plan
+    // is really large (the client's kv_transfer_params repeated between its members) counts
+    // it against the VM's budget, like the whole body it keeps.
+    let config = r#"{"max_request_body_bytes":150000,"max_vm_held_bytes":200000}"#;
+    let config = Rc::new(Config::from_json(config.as_bytes()).unwrap());
+    let held = HeldBytes::new(config.max_vm_held_bytes);
+    let many = format!(
+        r#"{{"prompt":"x","max_tokens":5{}}}"#,
+        r#","":0"#.repeat(20_000)
+    );
+    let mut plain = Session::new(config.clone(), held.clone());
+    let step = send(&mut plain, &post("/v1/completions"), &many);
+    assert!(!has_reply(&step.commands), "{:?}", step.commands);
+    assert!(held.held() < 4096, "{} held", held.held());
+    drop(plain);
+    assert_eq!(held.held(), 0);
+
+    let repeated = format!(
+        r#"{{"prompt":"x","max_tokens":5{}}}"#,
+        r#","kv_transfer_params":{},"":0"#.repeat(2_500)
+    );
+    let plan = crate::protocol::prepare_with(
+        Api::Completions,
+        repeated.as_bytes(),
+        config.prefill_options,
+    )
+    .unwrap()
+    .decode
+    .heap_bytes();
+    assert!(plan > repeated.len() / 2, "{plan}");
+    let mut edited = Session::new(config.clone(), held.clone());
+    let step = send(&mut edited, &post("/v1/completions"), &repeated);
+    assert!(!has_reply(&step.commands), "{:?}", step.commands);
+    assert!(held.held() >= repeated.len() + plan, "{} held", held.held());
+    // Given back once prefill has answered: decode's body is written.
+    edited.on_prefill_dispatched(Some(1), at(0));
+    let commands = edited.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
+    assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
+    assert!(held.held() < 4096, "{} held", held.held());
+    drop(edited);
+
+    // Past the budget with its plan, such a request is refused before prefill.
+    let repeated = format!(
+        r#"{{"prompt":"x","max_tokens":5{}}}"#,
+        r#","kv_transfer_params":{},"":0"#.repeat(4_000)
+    );
+    assert!(repeated.len() < 150_000);
+    let mut refused = Session::new(config.clone(), held.clone());
+    let step = send(&mut refused, &post("/v1/completions"), &repeated);
+    assert_eq!(reply(&step.commands).0, 503);
+    assert!(!step
+        .commands
+        .iter()
+        .any(|c| matches!(c, Command::DispatchPrefill(_))));
+    drop(refused);
     assert_eq!(held.held(), 0);
 }
 
