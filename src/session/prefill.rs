@@ -438,7 +438,7 @@ impl Session {
     /// when decode's body or its answer would not fit (the KV then released).
     fn resume_with_kv(
         &mut self,
-        prefill: Prefill,
+        mut prefill: Prefill,
         handed: PrefillKv,
         body: &[u8],
         config: &Config,
@@ -447,6 +447,13 @@ impl Session {
         let mut commands = self.prefill_time(&prefill, now, PrefillResult::Kv);
         let reachable = prefill.reachable_kv(config, handed.kv);
         let kv = reachable.as_ref();
+        // Kept for a release until decode answers (a long prompt's KV lists thousands of
+        // blocks): counted with the headers kept for it.
+        if config.release_kv_on_abandon && !self.held.grow(&mut prefill.headers_held, kv.len()) {
+            commands.extend(self.refuse_overloaded());
+            commands.extend(self.release(config, prefill.into_unread_kv(kv)));
+            return commands;
+        }
         let held_logprobs = match self.check_decode_fits(&prefill, kv, body, config) {
             Ok(held_logprobs) => held_logprobs,
             Err(refused) => {

@@ -2607,6 +2607,42 @@ fn the_plan_of_decodes_body_counts_while_prefill_works() {
     assert_eq!(held.held(), 0);
 }
 
+#[test]
+fn the_kv_kept_for_a_release_counts_until_decode_answers() {
+    // Prefill's kv_transfer_params (thousands of block ids for a long prompt) are kept
+    // until decode answers, to release them should decode never read the request.
+    let config = r#"{"max_request_body_bytes":100000,"max_vm_held_bytes":100000}"#;
+    let config = Rc::new(Config::from_json(config.as_bytes()).unwrap());
+    let held = HeldBytes::new(config.max_vm_held_bytes);
+    let ids: Vec<String> = (0..8_000).map(|i| (100_000 + i).to_string()).collect();
+    let kv = format!(
+        r#"{{"remote_engine_id":"e","remote_block_ids":[{}],"remote_host":"127.0.0.1","remote_port":5600}}"#,
+        ids.join(",")
+    );
+    let answer = format!(r#"{{"id":"p","kv_transfer_params":{kv}}}"#);
+    let body = r#"{"prompt":"p","max_tokens":5}"#;
+    let mut first = Session::new(config.clone(), held.clone());
+    send(&mut first, &post("/v1/completions"), body);
+    first.on_prefill_dispatched(Some(1), at(0));
+    let commands = first.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+    assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
+    assert!(held.held() >= kv.len(), "{} held", held.held());
+    // Past the budget, the next such request is refused after prefill, its KV released.
+    let mut second = Session::new(config.clone(), held.clone());
+    send(&mut second, &post("/v1/completions"), body);
+    second.on_prefill_dispatched(Some(1), at(0));
+    let commands = second.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
+    assert_eq!(reply(&commands).0, 503);
+    released(&commands);
+    assert!(!commands.contains(&Command::ResumeRequest));
+    drop(second);
+    // Decode answered: the KV is no longer kept.
+    first.on_response_headers(&upstream(200));
+    assert!(held.held() < 4096, "{} held", held.held());
+    drop(first);
+    assert_eq!(held.held(), 0);
+}
+
 fn answer_with(logprobs: &str) -> String {
     format!(
         r#"{{"id":"p","choices":[{{"text":"a","prompt_logprobs":{logprobs}}}],"kv_transfer_params":{KV}}}"#
