@@ -270,38 +270,47 @@ impl<'a> JsonObject<'a> {
         mut edit: impl FnMut(&str) -> Edit,
         append: &[(&'static str, Edit)],
     ) -> Splice {
-        let edits: Vec<Edit> = self.members.iter().map(|m| edit(&m.key)).collect();
+        // Only the members `edit` changes are noted, in document order: a document of many
+        // kept members costs nothing per member here.
+        let mut edits: Vec<(usize, Edit)> = self
+            .members
+            .iter()
+            .enumerate()
+            .filter_map(|(index, member)| match edit(&member.key) {
+                Edit::Keep => None,
+                changed => Some((index, changed)),
+            })
+            .collect();
         // An edited member is superseded by a later edited one of the same key: sorted by
         // key (copies in order), each edited member but the last of its key. A sort, so
         // that many edited keys cost `n log n` comparisons, not `n * n`.
-        let mut edited: Vec<usize> = edits
-            .iter()
-            .enumerate()
-            .filter(|(_, edit)| !matches!(edit, Edit::Keep))
-            .map(|(index, _)| index)
-            .collect();
+        let mut edited: Vec<usize> = edits.iter().map(|&(index, _)| index).collect();
         self.sort_by_key(&mut edited);
-        let mut superseded = vec![false; self.members.len()];
         for pair in edited.windows(2) {
             if let [earlier, later] = *pair {
                 if same_key(self.key_at(earlier), self.key_at(later)) {
-                    if let Some(flag) = superseded.get_mut(earlier) {
-                        *flag = true;
+                    if let Ok(at) = edits.binary_search_by_key(&earlier, |&(index, _)| index) {
+                        if let Some((_, superseded)) = edits.get_mut(at) {
+                            *superseded = Edit::Remove;
+                        }
                     }
                 }
             }
         }
+        drop(edited);
 
-        // A piece or two per member and per appended one: no growing while planning.
-        let mut splice = Splice {
-            pieces: Vec::with_capacity(2 * (self.members.len() + append.len()) + 4),
-        };
+        // Grown as pieces come: kept members next to each other make one piece, so most
+        // documents need a few, however many members they have.
+        let mut splice = Splice::default();
         let after_open = self.open_brace + 1;
         splice.original(0..after_open);
         let mut cursor = after_open;
         let mut emitted_any = false;
-        for ((member, edit), superseded) in self.members.iter().zip(&edits).zip(&superseded) {
-            let edit = if *superseded { Edit::Remove } else { *edit };
+        let mut edits = edits.iter().peekable();
+        for (index, member) in self.members.iter().enumerate() {
+            let edit = edits
+                .next_if(|&&(edited, _)| edited == index)
+                .map_or(Edit::Keep, |&(_, edit)| edit);
             if let Edit::Remove = edit {
                 cursor = member.value.end;
                 continue;
@@ -498,23 +507,43 @@ pub fn array_elements(array: &[u8]) -> Option<Vec<&[u8]>> {
 /// Where each element of a JSON array lies in `array`; `None` when `array` is not one valid
 /// JSON array (surrounding whitespace allowed).
 pub fn array_element_ranges(array: &[u8]) -> Option<Vec<Range<usize>>> {
+    let mut elements = Vec::new();
+    each_array_element_range(array, |range| elements.push(range))?;
+    Some(elements)
+}
+
+/// Calls `each` with each element of a JSON array, as the slice of `array` it is written in,
+/// and gives their number; `None` when `array` is not one valid JSON array (surrounding
+/// whitespace allowed), after `each` saw the elements before the fault. No list of the
+/// elements is made.
+pub fn for_each_array_element(array: &[u8], mut each: impl FnMut(&[u8])) -> Option<usize> {
+    let mut count = 0usize;
+    each_array_element_range(array, |range| {
+        count += 1;
+        each(span(array, range));
+    })?;
+    Some(count)
+}
+
+/// Calls `each` with where each element of a JSON array lies in `array`; `None` when `array`
+/// is not one valid JSON array (surrounding whitespace allowed).
+fn each_array_element_range(array: &[u8], mut each: impl FnMut(Range<usize>)) -> Option<()> {
     let mut scanner = Scanner {
         bytes: array,
         pos: 0,
         longest_integer: 0,
         deepest: 0,
     };
-    let mut elements = Vec::new();
     scanner
         .container(b'[', "expected a JSON array", |scanner| {
             scanner.skip_whitespace();
             let start = scanner.pos;
             scanner.value()?;
-            elements.push(start..scanner.pos);
+            each(start..scanner.pos);
             Ok(())
         })
         .ok()?;
-    scanner.at_end().then_some(elements)
+    scanner.at_end().then_some(())
 }
 
 /// A JSON number (from a validated document) as Python's `json` reads it, to the nearest

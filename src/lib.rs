@@ -39,6 +39,10 @@ pub mod request_id;
 pub mod session;
 pub mod vm_roots;
 
+// The unit tests' heap count (a global allocator), to bound the peaks of a callback.
+#[cfg(test)]
+mod alloc_count;
+
 // Also in the unit tests (native and wasm32), without its host calls.
 #[cfg(any(test, target_arch = "wasm32"))]
 mod dispatch;

@@ -5,7 +5,9 @@
 //! (prefill's `kv_transfer_params` go in as the first member), so only the head is written.
 
 use crate::api::Api;
-use crate::json::{array_elements, number, Edit, JsonErrorKind, JsonObject, Splice};
+use crate::json::{
+    array_elements, for_each_array_element, number, Edit, JsonErrorKind, JsonObject, Splice,
+};
 
 use super::errors::ClientError;
 use super::limits;
@@ -1007,14 +1009,17 @@ fn batches_prompts(object: &JsonObject) -> bool {
         match value {
             None => 0,
             Some(list) if list.starts_with(b"[") => {
-                let items = array_elements(list).unwrap_or_default();
-                let numbers = items
-                    .iter()
-                    .all(|item| matches!(item.first(), Some(b'-' | b'0'..=b'9')));
-                if numbers && !items.is_empty() {
+                // Counted as the list is walked: a prompt of many token ids needs no list of
+                // its elements.
+                let mut numbers = true;
+                let items = for_each_array_element(list, |item| {
+                    numbers &= matches!(item.first(), Some(b'-' | b'0'..=b'9'));
+                })
+                .unwrap_or_default();
+                if numbers && items != 0 {
                     1
                 } else {
-                    items.len()
+                    items
                 }
             }
             Some(_) => 1,
@@ -2606,5 +2611,57 @@ mod tests {
         assert_eq!(model(r#"{"model":"a\u002fb"}"#).as_deref(), Some("a/b"));
         assert_eq!(model(r#"{"model":7}"#), None);
         assert_eq!(model(r#"{"prompt":"x"}"#), None);
+    }
+
+    /// A body of `len` bytes or a little less: `head`, `item`s apart by commas, `tail`.
+    fn body_of(head: &str, item: &str, tail: &str, len: usize) -> Vec<u8> {
+        let count = (len - head.len() - tail.len()) / (item.len() + 1);
+        let items = vec![item; count].join(",");
+        format!("{head}{items}{tail}").into_bytes()
+    }
+
+    #[test]
+    fn preparing_many_small_members_holds_no_more_than_their_index_and_the_bodies() {
+        use crate::alloc_count::peak_during;
+        // Each member's index entry is several times its 5 bytes: the parse's own peak. The
+        // rest of the request's preparation (the prefill body, the decode plans) adds no
+        // more than two bodies' worth, whatever the number of members; five where every
+        // member (or every other one) is edited: a repeated `max_tokens`, the client's
+        // `kv_transfer_params` (the plans note each edited member, and have a piece for each
+        // run of members kept between removed ones).
+        let members = |item: &str| body_of("{\"prompt\":\"x\",", item, "}", 1 << 20);
+        for (api, body, bodies) in [
+            (Api::Completions, members("\"\":0"), 2),
+            (Api::Completions, members("\"\\u0061\":0"), 2),
+            (Api::Completions, members("\"max_tokens\":1"), 5),
+            (
+                Api::Completions,
+                members("\"kv_transfer_params\":null,\"\":0"),
+                5,
+            ),
+            (
+                Api::Completions,
+                body_of("{\"prompt\":[", "1", "]}", 1 << 20),
+                2,
+            ),
+            (
+                Api::ChatCompletions,
+                body_of("{\"messages\":[", "{}", "]}", 1 << 20),
+                2,
+            ),
+        ] {
+            let (parsed, parse_peak) = peak_during(|| JsonObject::parse(&body).is_ok());
+            assert!(parsed);
+            let (prepared, prepare_peak) =
+                peak_during(|| prepare_with(api, &body, PrefillOptions::default()));
+            assert!(prepared.is_ok());
+            let bound = parse_peak + bodies * body.len() + 4096;
+            assert!(
+                prepare_peak <= bound,
+                "{bound} bytes at most, {prepare_peak} taken (the parse alone: {parse_peak}) \
+                 for {}",
+                String::from_utf8_lossy(body.get(..40).unwrap_or_default()),
+            );
+        }
     }
 }
