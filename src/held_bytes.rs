@@ -54,18 +54,7 @@ impl HeldBytes {
     /// Room for `bytes` more, given back when the reservation is dropped; `None` when the
     /// budget has no such room.
     pub fn reserve(&self, bytes: usize) -> Option<Reservation> {
-        let limit = if bytes > SMALL_RESERVATION {
-            self.large_limit
-        } else {
-            self.limit
-        };
-        let total = self
-            .held
-            .get()
-            .checked_add(bytes)
-            .filter(|total| *total <= limit)?;
-        self.held.set(total);
-        Some(Reservation {
+        self.take(bytes, bytes).then(|| Reservation {
             held: Rc::clone(&self.held),
             bytes,
         })
@@ -77,22 +66,28 @@ impl HeldBytes {
         let Some(size) = reservation.bytes.checked_add(bytes) else {
             return false;
         };
+        let taken = self.take(bytes, size);
+        if taken {
+            reservation.bytes = size;
+        }
+        taken
+    }
+
+    /// Counts `bytes` more for a reservation that then holds `size`, within the limit a
+    /// holding of that size has; `false`, and nothing counted, when there is no room.
+    fn take(&self, bytes: usize, size: usize) -> bool {
         let limit = if size > SMALL_RESERVATION {
             self.large_limit
         } else {
             self.limit
         };
-        let Some(total) = self
-            .held
-            .get()
-            .checked_add(bytes)
-            .filter(|total| *total <= limit)
-        else {
-            return false;
-        };
-        self.held.set(total);
-        reservation.bytes = size;
-        true
+        match self.held.get().checked_add(bytes) {
+            Some(total) if total <= limit => {
+                self.held.set(total);
+                true
+            }
+            _ => false,
+        }
     }
 
     pub fn held(&self) -> usize {
