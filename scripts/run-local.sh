@@ -32,8 +32,11 @@ with_ports() {
 config=envoy/envoy.yaml
 cleanup() { kill "${mock_pid:-}" 2>/dev/null || true; }
 if [[ $listen != 10000 || $admin != 9901 || $prefill != 8100 || $decode != 8200 ]]; then
-  config=$(mktemp --suffix=.yaml "${TMPDIR:-/tmp}/pd-filter-envoy-XXXXXX")
-  cleanup() { kill "${mock_pid:-}" 2>/dev/null || true; rm -f "$config"; }
+  # Envoy reads a configuration's format from its extension: a directory holds the .yaml
+  # (BSD mktemp has no --suffix).
+  config_dir=$(mktemp -d "${TMPDIR:-/tmp}/pd-filter-envoy-XXXXXX")
+  config=$config_dir/envoy.yaml
+  cleanup() { kill "${mock_pid:-}" 2>/dev/null || true; rm -rf "$config_dir"; }
   with_ports "port_value: " <envoy/envoy.yaml >"$config"
 fi
 trap cleanup EXIT
