@@ -4,12 +4,15 @@
 //! Envoy calls back into the module from inside some host calls, while one of its callbacks
 //! still runs: a request body grown past Envoy's buffer limit by `proxy_set_buffer_bytes`
 //! makes Envoy answer the client (413) or reset the stream right there, and it then calls
-//! the request's response callbacks, `proxy_on_log`, `proxy_on_done` and `proxy_on_delete`
-//! before the host call returns. So the registry holds no borrow of its own while a callback
-//! runs, and a context whose callback is already running (borrowed) is never entered twice:
-//! its stream callbacks answer `Continue` without it, `on_log` does nothing, and `on_done` /
-//! `on_delete` are carried out as soon as the outermost callback has returned (before the
-//! module answers Envoy's call), so that the request still sees its end.
+//! the request's response callbacks, `proxy_on_done` and `proxy_on_delete` before the host
+//! call returns. So the registry holds no borrow of its own while a callback runs, and a
+//! context whose callback is already running (borrowed) is never entered twice: its stream
+//! callbacks answer `Continue` without it, and `on_done` / `on_delete` are carried out as
+//! soon as the outermost callback has returned (before the module answers Envoy's call), so
+//! that the request still sees its end.
+//!
+//! The module exports no `proxy_on_log`: the filter keeps no access log of its own, and
+//! Envoy skips the call into the VM for a module without it.
 //!
 //! A call's answer goes to the context whose callback sent it ([`http_call`]), the root or a
 //! request, with that context made the effective one.
@@ -476,10 +479,6 @@ pub extern "C" fn proxy_on_http_call_response(
     }
 }
 
-/// The filter keeps no access log of its own.
-#[no_mangle]
-pub extern "C" fn proxy_on_log(_context_id: u32) {}
-
 #[no_mangle]
 pub extern "C" fn proxy_on_done(context_id: u32) -> u32 {
     u32::from(done(context_id))
@@ -611,7 +610,6 @@ mod tests {
     fn envoy_ends_the_stream(context_id: u32) {
         let answer = proxy_on_response_headers(context_id, 1, 1);
         event(format!("nested response headers: {answer}"));
-        proxy_on_log(context_id);
         assert_eq!(proxy_on_done(context_id), 1);
         proxy_on_delete(context_id);
         event("host call returns".to_owned());
