@@ -3334,6 +3334,58 @@ fn envoy_yaml_takes_http2_bodies_up_to_the_filters_limit_in_envoy() {
     assert_eq!(decode.requests_with_id("h2-large-body").len(), 1);
 }
 
+/// envoy/envoy.yaml as shipped answers an upload over the filter's limit whose length was not
+/// declared with the filter's own 413, in the API's shape (Anthropic's on /v1/messages): Envoy
+/// adds each piece it reads to the body before the filter sees it, and only a buffer above the
+/// filter's limit by more than such a piece (twice it, as shipped) leaves the answer to the
+/// filter. With equal limits these uploads get Envoy's 413 (README, max_request_body_bytes).
+#[test]
+fn envoy_yaml_answers_an_undeclared_upload_over_the_limit_itself_in_envoy() {
+    const LIMIT: usize = 8 * 1024 * 1024;
+    let (_runtime, prefill, decode, envoy) = envoy_yaml_before_mocks("run-envoy-yaml-chunked-413");
+    for (size, chunk) in [
+        (LIMIT + 1, 64 * 1024),
+        (LIMIT + 300_000, 16 * 1024),
+        (12 * 1024 * 1024, 256 * 1024),
+        (17 * 1024 * 1024, 1024 * 1024),
+    ] {
+        let id = format!("chunked-{size}-{chunk}");
+        let head = r#"{"model":"mock-model","max_tokens":3,"messages":[{"role":"user","content":""#;
+        let tail = r#""}]}"#;
+        let mut body = head.as_bytes().to_vec();
+        body.resize(size - tail.len(), b'a');
+        body.extend_from_slice(tail.as_bytes());
+        let mut request = format!(
+            "POST /v1/messages HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n\
+             x-request-id: {id}\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        .into_bytes();
+        for piece in body.chunks(chunk) {
+            request.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+            request.extend_from_slice(piece);
+            request.extend_from_slice(b"\r\n");
+        }
+        request.extend_from_slice(b"0\r\n\r\n");
+        let reply = raw_exchange(envoy.port, &request);
+        assert_eq!(reply.status, 413, "{id}: {}", reply.body);
+        let answer: serde_json::Value = serde_json::from_str(&reply.body)
+            .unwrap_or_else(|_| panic!("{id}: not JSON: {}", reply.body));
+        assert_eq!(answer["type"], "error", "{id}: {answer}");
+        assert_eq!(
+            answer["error"]["type"], "request_too_large",
+            "{id}: {answer}"
+        );
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .is_some_and(|message| message.contains(&LIMIT.to_string())),
+            "{id}: {answer}"
+        );
+        assert!(prefill.requests_with_id(&id).is_empty(), "{id}");
+        assert!(decode.requests_with_id(&id).is_empty(), "{id}");
+    }
+}
+
 /// A loopback TCP proxy to `port` that passes the client's bytes at once and the server's
 /// only after `pause`: a client that stops reading its connection for that long. Its port.
 async fn proxy_that_stops_reading(port: u16, pause: std::time::Duration) -> u16 {
