@@ -383,7 +383,7 @@ pub fn prepare_with(
         return Err(ClientError::bad_request(
             "previous_response_id cannot be served through prefill/decode disaggregation: \
              each vLLM server keeps its stored responses in its own memory, and prefill has \
-             none of them; send the conversation's input instead, or `previous_response`",
+             none of them; send the whole conversation as input instead",
         ));
     }
     // vLLM has no check of its own on the raw `stream` here: pydantic's reading decides
@@ -2159,7 +2159,8 @@ mod tests {
                 r#"{"input":"x","previous_response_id":null}"#,
                 false,
             ),
-            // vLLM's stateless continuation: the client sends the previous response whole.
+            // A stateless continuation (`previous_response`, proposed for vLLM after 0.34.0) names
+            // no stored response: it goes to both legs as written.
             (
                 Api::Responses,
                 r#"{"input":"x","previous_response":{"id":"resp_1","output":[]}}"#,
