@@ -816,8 +816,8 @@ fn constrains_output(object: &JsonObject) -> bool {
 /// answer 400 to a request one vLLM serves. Under `any` (chat's `"required"`) vLLM 0.33 takes
 /// an answer that does not parse as no tool call. The tools, and so the prompt, stay the
 /// same; the choice's other members stay as the client wrote them. A choice vLLM refuses
-/// (no name, an empty one, or one no tool has) is left as it is, for prefill to refuse in
-/// vLLM's words before it computes anything.
+/// (no name, an empty one, or one no tool in effect has: see [`tool_in_effect`]) is left as
+/// it is, for prefill to refuse in vLLM's words before it computes anything.
 fn any_instead_of_named_tool(object: &JsonObject) -> Option<Vec<u8>> {
     let choice = JsonObject::parse(object.last_value("tool_choice")?).ok()?;
     let kind: String = serde_json::from_slice(choice.last_value("type")?).ok()?;
@@ -825,12 +825,7 @@ fn any_instead_of_named_tool(object: &JsonObject) -> Option<Vec<u8>> {
         return None;
     }
     let name: String = serde_json::from_slice(choice.last_value("name")?).ok()?;
-    let names_a_tool = array_elements(object.last_value("tools")?)?
-        .iter()
-        .filter_map(|tool| JsonObject::parse(tool).ok())
-        .filter_map(|tool| serde_json::from_slice::<String>(tool.last_value("name")?).ok())
-        .any(|tool_name| tool_name == name);
-    if name.is_empty() || !names_a_tool {
+    if name.is_empty() || !tool_in_effect(object, &name) {
         return None;
     }
     let edit = |key: &str| match key {
@@ -839,6 +834,58 @@ fn any_instead_of_named_tool(object: &JsonObject) -> Option<Vec<u8>> {
         _ => Edit::Keep,
     };
     Some(choice.splice(edit, &[]).write(choice.text(), b""))
+}
+
+/// Whether a Messages request has a tool of this name in effect at the end of its
+/// conversation, as vLLM 0.34 resolves them: those of `tools`, then, in the order the
+/// messages hold them, the `tool_addition` blocks (a `tool_definition` declares a tool, a
+/// `tool_reference` brings back one of `tools`) and the `tool_removal` blocks (which drop
+/// one). A block vLLM would refuse changes nothing here: prefill refuses the request.
+fn tool_in_effect(object: &JsonObject, name: &str) -> bool {
+    let named = |value: &[u8]| serde_json::from_slice::<String>(value).ok();
+    let in_tools = object
+        .last_value("tools")
+        .and_then(array_elements)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|tool| JsonObject::parse(tool).ok())
+        .any(|tool| tool.last_value("name").and_then(named).as_deref() == Some(name));
+    let mut in_effect = in_tools;
+    let messages = object
+        .last_value("messages")
+        .and_then(array_elements)
+        .unwrap_or_default();
+    for message in messages.iter().filter_map(|m| JsonObject::parse(m).ok()) {
+        let Some(blocks) = message.last_value("content").and_then(array_elements) else {
+            continue;
+        };
+        for block in blocks.iter().filter_map(|b| JsonObject::parse(b).ok()) {
+            let kind = block.last_value("type").and_then(named);
+            let Some(tool) = block
+                .last_value("tool")
+                .and_then(|t| JsonObject::parse(t).ok())
+            else {
+                continue;
+            };
+            let changed = match tool.last_value("type").and_then(named).as_deref() {
+                Some("tool_definition") => tool
+                    .last_value("definition")
+                    .and_then(|d| JsonObject::parse(d).ok())
+                    .and_then(|d| d.last_value("name").and_then(named)),
+                Some("tool_reference") => tool.last_value("name").and_then(named),
+                _ => None,
+            };
+            if changed.as_deref() != Some(name) {
+                continue;
+            }
+            match kind.as_deref() {
+                Some("tool_addition") => in_effect = true,
+                Some("tool_removal") => in_effect = false,
+                _ => {}
+            }
+        }
+    }
+    in_effect
 }
 
 /// The limit of prefill's copy: one generated token.
@@ -1277,6 +1324,35 @@ mod tests {
             assert_eq!(prefill["max_tokens"], 1, "{body}");
             assert_eq!(prefill["kv_transfer_params"], remote_decode(), "{body}");
         }
+    }
+
+    #[test]
+    fn a_named_tool_counts_the_tools_that_messages_add_and_remove() {
+        let with = |tools: &str, blocks: &str| {
+            let body = format!(
+                r#"{{"max_tokens":5,"tools":{tools},"tool_choice":{{"type":"tool","name":"a"}},"messages":[{{"role":"system","content":[{blocks}]}},{{"role":"user","content":"hi"}}]}}"#
+            );
+            prefill_json(Api::Messages, &body)["tool_choice"].clone()
+        };
+        let any = json!({"type": "any"});
+        let named = json!({"type": "tool", "name": "a"});
+        let define_a = r#"{"type":"tool_addition","tool":{"type":"tool_definition","definition":{"name":"a","input_schema":{}}}}"#;
+        let remove_a = r#"{"type":"tool_removal","tool":{"type":"tool_reference","name":"a"}}"#;
+        let refer_a = r#"{"type":"tool_addition","tool":{"type":"tool_reference","name":"a"}}"#;
+        // Declared only by a block of the conversation: one vLLM serves it.
+        assert_eq!(with("[]", define_a), any);
+        assert_eq!(with(r#"[{"name":"b"}]"#, define_a), any);
+        // Declared in `tools` and removed: vLLM refuses the choice, so prefill does.
+        assert_eq!(with(r#"[{"name":"a"}]"#, remove_a), named);
+        // The last change wins.
+        assert_eq!(
+            with(r#"[{"name":"a"}]"#, &format!("{remove_a},{refer_a}")),
+            any
+        );
+        assert_eq!(with("[]", &format!("{define_a},{remove_a}")), named);
+        // Blocks about other tools change nothing.
+        let remove_b = r#"{"type":"tool_removal","tool":{"type":"tool_reference","name":"b"}}"#;
+        assert_eq!(with(r#"[{"name":"a"},{"name":"b"}]"#, remove_b), any);
     }
 
     #[test]
