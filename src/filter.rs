@@ -847,8 +847,8 @@ impl Root for PdRoot {
                 logger::set_lines_per_second(config.max_log_lines_per_second);
                 let summary = format!(
                     "pd-filter configured: prefill cluster {:?}, {} paths, prefill timeout {:?}, \
-                     bodies up to {} bytes (max_request_body_bytes: Envoy's buffer limit must \
-                     be at least this)",
+                     bodies up to {} bytes (max_request_body_bytes: Envoy's buffer limit must be \
+                     above it by a connection's read)",
                     config.prefill_cluster,
                     config.orchestrated_paths.len(),
                     config.prefill_timeout,
