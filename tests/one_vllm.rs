@@ -719,6 +719,46 @@ async fn a_forced_tool_choice_is_served_as_one_vllm_serves_it() {
     }
 }
 
+/// Messages requests may change their tools mid-conversation (`tool_addition` and
+/// `tool_removal` blocks in system messages, vLLM 0.34): a tool named in `tool_choice` that
+/// only such a block declares is served, and one a block removed is refused by prefill.
+#[tokio::test]
+async fn a_messages_tool_choice_counts_the_tools_the_conversation_adds_and_removes() {
+    let h = harness();
+    let define = json!({"type": "tool_addition", "tool": {"type": "tool_definition",
+        "definition": {"name": "get_weather", "input_schema": {"type": "object"}}}});
+    let remove = json!({"type": "tool_removal",
+        "tool": {"type": "tool_reference", "name": "get_weather"}});
+    let body = |tools: Value, change: &Value| {
+        json!({"model": "m", "max_tokens": 5,
+               "tool_choice": {"type": "tool", "name": "get_weather"}, "tools": tools,
+               "messages": [{"role": "system", "content": [change]},
+                            {"role": "user", "content": "weather?"}]})
+    };
+    let added = body(json!([]), &define);
+    let id = unique_id("messages-added-tool");
+    let request = Request::post("default", "/v1/messages").body(added.to_string());
+    let (_, prefill, decode) = served_on_prefills_kv(request, &id, "/v1/messages").await;
+    assert_eq!(prefill["tool_choice"], json!({"type": "any"}));
+    assert_eq!(prefill["messages"], added["messages"], "the prompt's tools");
+    assert_eq!(decode["tool_choice"], added["tool_choice"]);
+
+    let declared = json!([{"name": "get_weather", "input_schema": {"type": "object"}}]);
+    let removed = body(declared, &remove);
+    let id = unique_id("messages-removed-tool");
+    let reply = Request::post("default", "/v1/messages")
+        .id(&id)
+        .body(removed.to_string())
+        .send()
+        .await;
+    assert_eq!(reply.status, 400, "{}", reply.body);
+    assert_eq!(
+        h.only_prefill(&id).json()["tool_choice"],
+        removed["tool_choice"]
+    );
+    assert!(h.decode_requests(&id).is_empty(), "decode was called");
+}
+
 /// A Messages `tool_choice` vLLM refuses (no name, or one no tool has) is not turned into
 /// `any` for prefill: prefill refuses it, in vLLM's words, before computing the prompt, and
 /// decode never gets it.

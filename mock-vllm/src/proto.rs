@@ -455,13 +455,7 @@ fn parse_messages(obj: &Map<String, Value>) -> Result<Parsed, String> {
         if name.is_empty() {
             return Err("tool_choice.name is required when type is 'tool'".into());
         }
-        let tools = obj.get("tools").and_then(Value::as_array);
-        let known = tools.is_some_and(|tools| {
-            tools
-                .iter()
-                .any(|tool| tool.get("name").and_then(Value::as_str) == Some(name))
-        });
-        if !known {
+        if !tools_in_effect(obj)?.iter().any(|tool| tool == name) {
             return Err(format!(
                 "The tool `{name}` specified in `tool_choice` does not match any of the \
                  specified `tools`"
@@ -561,6 +555,66 @@ fn parse_cohere(obj: &Map<String, Value>) -> Result<Parsed, String> {
 
 /// Text of an Anthropic `content` or `system`: a string, or content blocks (objects with a
 /// `type`) whose `text` is kept.
+/// The names of a Messages request's tools at the end of its conversation, as vLLM 0.34
+/// resolves them: `tools`, then each `tool_addition` block (a `tool_definition` declares a
+/// tool, a `tool_reference` brings back a declared one) and `tool_removal` block (a
+/// `tool_reference`) of the messages, in order.
+fn tools_in_effect(obj: &Map<String, Value>) -> Result<Vec<String>, String> {
+    let name_of = |value: Option<&Value>| value.and_then(Value::as_str).map(str::to_owned);
+    let mut declared: Vec<String> = obj
+        .get("tools")
+        .and_then(Value::as_array)
+        .map(|tools| {
+            tools
+                .iter()
+                .filter_map(|t| name_of(t.get("name")))
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut removed: Vec<String> = Vec::new();
+    let messages = obj.get("messages").and_then(Value::as_array);
+    let blocks = messages
+        .into_iter()
+        .flatten()
+        .filter_map(|message| message.get("content").and_then(Value::as_array))
+        .flatten();
+    for block in blocks {
+        let kind = block.get("type").and_then(Value::as_str);
+        if !matches!(kind, Some("tool_addition" | "tool_removal")) {
+            continue;
+        }
+        let tool = block.get("tool");
+        let name = match tool.and_then(|t| t.get("type")).and_then(Value::as_str) {
+            Some("tool_definition") if kind == Some("tool_addition") => {
+                let name = name_of(tool.and_then(|t| t.get("definition")?.get("name")))
+                    .ok_or("a tool_definition needs a definition with a name")?;
+                if !declared.contains(&name) {
+                    declared.push(name.clone());
+                }
+                name
+            }
+            Some("tool_reference") => {
+                let name = name_of(tool.and_then(|t| t.get("name")))
+                    .ok_or("a tool_reference needs a name")?;
+                if !declared.contains(&name) {
+                    return Err(format!(
+                        "{} references tool {name:?}, which is not declared in tools",
+                        kind.unwrap_or_default()
+                    ));
+                }
+                name
+            }
+            _ => return Err("tool_removal only accepts a tool_reference".into()),
+        };
+        removed.retain(|other| *other != name);
+        if kind == Some("tool_removal") {
+            removed.push(name);
+        }
+    }
+    declared.retain(|name| !removed.contains(name));
+    Ok(declared)
+}
+
 fn blocks_text(content: Option<&Value>, what: &str) -> Result<Option<String>, String> {
     match content {
         None | Some(Value::Null) => Ok(None),
