@@ -401,6 +401,35 @@ async fn decode_that_fails_with_a_5xx_strands_no_kv() {
     }
 }
 
+/// The filter's own calls name the cluster they go to, never the client's host: a hop in
+/// front of the workers that routes by host would otherwise send them wherever a client
+/// names (an audit's `internal-admin.svc:9901` reached prefill as its host).
+#[tokio::test]
+async fn the_filters_calls_carry_the_clusters_host_not_the_clients() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let id = unique_id("client-host");
+    let reply = post("default", &id, "failing mock:decode_status=500")
+        .header("host", "internal-admin.svc:9901")
+        .send()
+        .await;
+    assert_eq!(reply.status, 500, "{}", reply.body);
+    assert_released_once(&id).await;
+    assert_eq!(h.only_prefill(&id).header("host"), Some("prefill"));
+    let release = h.kv_releases(&id);
+    assert_eq!(release.len(), 1);
+    assert_eq!(release[0].header("host"), Some("decode"));
+    // Decode's own request goes where Envoy's route sends it, with the client's host, as
+    // Envoy forwards any request.
+    let decoded: Vec<_> = h
+        .decode_requests(&id)
+        .into_iter()
+        .filter(|request| request.header("x-pd-kv-release").is_none())
+        .collect();
+    assert_eq!(decoded.len(), 1);
+    assert_eq!(decoded[0].header("host"), Some("internal-admin.svc:9901"));
+}
+
 #[tokio::test]
 async fn served_requests_and_clients_leaving_mid_stream_send_no_release() {
     let _serial = SERIAL.lock().await;

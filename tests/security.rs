@@ -1613,9 +1613,8 @@ async fn prompt_logprobs_leave_room_in_the_vm_for_other_requests() {
     assert_healthy();
 }
 
-/// What an orchestrated request keeps for its prefill call (the client's `:authority` and the
-/// headers `forward_headers` names, `authorization` by default: up to Envoy's 60 KiB of
-/// headers) is kept in the VM from its headers on, while the body uploads. Counted only once
+/// What an orchestrated request keeps for its prefill call (the headers `forward_headers`
+/// names, `authorization` by default: up to Envoy's 60 KiB of headers) is kept in the VM from its headers on, while the body uploads. Counted only once
 /// the body was whole, it let a client's uploads that never end hold the VM past its budget
 /// (an audit held 232 MB in one worker's VM with 4,000 such HTTP/2 streams, 58 KB each,
 /// never given back) where Envoy's heap monitor cannot see it. Counted from the headers on,

@@ -1,6 +1,6 @@
 //! Which workers a request may go to: prefill hosts a scheduler chose (only among the hosts
-//! the operator allows), the model a request is routed by, and the prefill host decode is
-//! told to pull the KV from.
+//! the operator allows), the model a request is routed by, the prefill host decode is told
+//! to pull the KV from, and the authority the filter's own calls name.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -180,9 +180,53 @@ pub fn with_reachable_remote_host(kv_transfer_params: &[u8], host: IpAddr) -> Op
     Some(splice.write(kv_transfer_params, replacement.as_bytes()))
 }
 
+/// The `:authority` of a call the filter makes (prefill's, a KV release) to an Envoy
+/// cluster, or to a host a scheduler chose there: never the client's, which a hop in front
+/// of the workers that routes by host would obey. Istio's clusters
+/// (`outbound|PORT|SUBSET|HOST`) give their service's `HOST:PORT`; another cluster its own
+/// name, where that is a plain host name, else `localhost`.
+pub fn call_authority(cluster: &str, host: Option<SocketAddr>) -> String {
+    if let Some(host) = host {
+        return host.to_string();
+    }
+    let named = match cluster.split('|').collect::<Vec<_>>()[..] {
+        [_, port, _, service] if port.parse::<u16>().is_ok() => format!("{service}:{port}"),
+        _ => cluster.to_owned(),
+    };
+    let plain = |byte: u8| byte.is_ascii_alphanumeric() || b"-._:".contains(&byte);
+    if !named.is_empty() && named.bytes().all(plain) {
+        named
+    } else {
+        "localhost".to_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_filters_calls_name_the_cluster_or_host_never_the_client() {
+        assert_eq!(call_authority("prefill", None), "prefill");
+        assert_eq!(
+            call_authority("outbound|8000||vllm-prefill.llm.svc.cluster.local", None),
+            "vllm-prefill.llm.svc.cluster.local:8000"
+        );
+        assert_eq!(
+            call_authority("outbound|8000|v1|vllm-prefill.llm.svc.cluster.local", None),
+            "vllm-prefill.llm.svc.cluster.local:8000"
+        );
+        let host: SocketAddr = "10.0.0.7:8000".parse().unwrap();
+        assert_eq!(call_authority("prefill-hosts", Some(host)), "10.0.0.7:8000");
+        let host: SocketAddr = "[fd00::7]:8000".parse().unwrap();
+        assert_eq!(
+            call_authority("prefill-hosts", Some(host)),
+            "[fd00::7]:8000"
+        );
+        for odd in ["a cluster", "prefill/v1", "outbound|x||a b", "é"] {
+            assert_eq!(call_authority(odd, None), "localhost", "{odd}");
+        }
+    }
 
     fn allow(entries: &[&str]) -> HostAllowlist {
         let entries: Vec<String> = entries.iter().map(|e| e.to_string()).collect();

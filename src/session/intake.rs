@@ -434,13 +434,10 @@ impl Session {
         headers: &H,
         path: String,
     ) -> Vec<(String, String)> {
-        let authority = headers
-            .text(":authority")
-            .unwrap_or(&self.config.prefill_cluster);
+        // `:authority` is the cluster's, added once the cluster is known.
         let mut prefill_headers = vec![
             (":method".to_owned(), "POST".to_owned()),
             (":path".to_owned(), path),
-            (":authority".to_owned(), authority.to_owned()),
             ("content-type".to_owned(), "application/json".to_owned()),
             // Without it any coding is acceptable (RFC 9110), and a proxy in front of
             // prefill may compress an answer the filter must read.

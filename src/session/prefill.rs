@@ -9,7 +9,9 @@ use crate::config::{Config, MissingKvPolicy, PrefillFailurePolicy, UsagePolicy};
 use crate::held_bytes::{HeldBytes, Reservation};
 use crate::json::JsonObject;
 use crate::protocol::echo::EchoedPrompt;
-use crate::protocol::scheduling::{check_model_for_header, with_reachable_remote_host};
+use crate::protocol::scheduling::{
+    call_authority, check_model_for_header, with_reachable_remote_host,
+};
 use crate::protocol::usage::prompt_usage_for_decode;
 use crate::protocol::{
     prepare_with, prompt_logprobs, read_prefill_answer, ClientError, DecodePlan, FailureKind,
@@ -45,7 +47,7 @@ pub(super) struct Pending {
 }
 
 /// What a request keeps in the VM for its prefill call and KV release beyond one callback:
-/// the prefill call's headers (the client's `:authority` and forwarded headers among them)
+/// the prefill call's headers (the client's forwarded headers among them)
 /// and its request id.
 pub(super) fn kept_for_prefill(prefill_headers: &[(String, String)], request_id: &str) -> usize {
     prefill_headers
@@ -190,6 +192,11 @@ impl Prefill {
         let headers = match self.host() {
             Some(host) => {
                 let mut headers = self.prefill_headers.to_vec();
+                for (name, value) in headers.iter_mut() {
+                    if name == ":authority" {
+                        *value = call_authority(&self.cluster, Some(host));
+                    }
+                }
                 headers.push((ORIGINAL_DST_HEADER.to_owned(), host.to_string()));
                 Rc::from(headers)
             }
@@ -202,6 +209,17 @@ impl Prefill {
             timeout,
         }
     }
+}
+
+/// Prefill's call headers with the `:authority` of the cluster they go to, after the other
+/// pseudo-headers.
+fn with_authority(mut headers: Vec<(String, String)>, cluster: &str) -> Rc<[(String, String)]> {
+    let at = headers
+        .iter()
+        .position(|(name, _)| !name.starts_with(':'))
+        .unwrap_or(headers.len());
+    headers.insert(at, (":authority".to_owned(), call_authority(cluster, None)));
+    Rc::from(headers)
 }
 
 /// The prefill stats of a request whose client left before prefill answered: its latency,
@@ -306,8 +324,8 @@ impl Session {
             decode: prepared.decode,
             _plan_held: plan_held,
             answered_by_prefill: prepared.answered_by_prefill,
+            prefill_headers: with_authority(pending.prefill_headers, &cluster),
             cluster,
-            prefill_headers: Rc::from(pending.prefill_headers),
             headers_held,
             scheduled_hosts: pending.scheduled_hosts,
             paused_hosts: Vec::new(),

@@ -6,6 +6,7 @@ use crate::abandoned::client_key;
 use crate::config::Config;
 use crate::held_bytes::Reservation;
 use crate::protocol::rewrite::{minimal_kv_release_body, MINIMAL_RELEASE_PATH};
+use crate::protocol::scheduling::call_authority;
 
 use super::*;
 
@@ -142,16 +143,19 @@ impl Session {
         }
         // Never the client's body: the smallest request takes the KV as well, and carries
         // nothing (prompt logprobs, tools, a long prompt) that would make decode compute more.
+        let cluster = config.decode_cluster_for(unread.model.as_deref());
         let mut headers = unread.headers.to_vec();
         for (name, value) in headers.iter_mut() {
-            if name == ":path" {
-                *value = MINIMAL_RELEASE_PATH.to_owned();
+            match name.as_str() {
+                ":path" => *value = MINIMAL_RELEASE_PATH.to_owned(),
+                ":authority" => *value = call_authority(cluster, None),
+                _ => {}
             }
         }
         let body = minimal_kv_release_body(unread.model.as_deref(), &unread.kv_transfer_params);
         headers.push((KV_RELEASE_HEADER.to_owned(), "1".to_owned()));
         Some(Command::ReleaseKv(HttpCall {
-            cluster: Rc::from(config.decode_cluster_for(unread.model.as_deref())),
+            cluster: Rc::from(cluster),
             headers: Rc::from(headers),
             body,
             timeout: config.kv_release_timeout,

@@ -318,7 +318,11 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
     assert_eq!(&*call.cluster, "prefill");
     assert_eq!(call.timeout, Duration::from_secs(120));
     assert_eq!(call_header(call, ":path"), Some("/v1/chat/completions"));
-    assert_eq!(call_header(call, ":authority"), Some("gateway"));
+    assert_eq!(
+        call_header(call, ":authority"),
+        Some("prefill"),
+        "the cluster's, not the client's"
+    );
     assert_eq!(call_header(call, "x-request-id"), Some("req-1"));
     let prefill: Value = serde_json::from_slice(&call.body).unwrap();
     assert_eq!(prefill["max_tokens"], 1);
@@ -631,6 +635,7 @@ fn released(commands: &[Command]) -> Value {
     assert_eq!(&*call.cluster, "decode");
     assert_eq!(call.timeout, Duration::from_secs(30));
     assert_eq!(call_header(call, ORIGINAL_DST_HEADER), None);
+    assert_eq!(call_header(call, ":authority"), Some("decode"));
     assert_eq!(call_header(call, KV_RELEASE_HEADER), Some("1"));
     serde_json::from_slice(&call.body).unwrap()
 }
@@ -1001,6 +1006,7 @@ fn retries_go_to_the_next_scheduled_host_within_the_time_budget() {
         call_header(call, ORIGINAL_DST_HEADER),
         Some("10.0.0.1:8000")
     );
+    assert_eq!(call_header(call, ":authority"), Some("10.0.0.1:8000"));
     assert_eq!(call.timeout, Duration::from_millis(1000));
 
     let mut seen = vec![];
@@ -1018,6 +1024,10 @@ fn retries_go_to_the_next_scheduled_host_within_the_time_budget() {
         );
         let call = dispatched(&commands);
         seen.push(call_header(call, ORIGINAL_DST_HEADER).unwrap().to_owned());
+        assert_eq!(
+            call_header(call, ":authority"),
+            call_header(call, ORIGINAL_DST_HEADER)
+        );
         assert_eq!(call.timeout, Duration::from_millis(1000 - now));
         assert!(
             metrics(&commands).is_empty(),
