@@ -7,7 +7,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::rc::Rc;
 
 /// One VM's (one Envoy worker's) count of running prefill calls whose clients left, by
@@ -97,13 +97,16 @@ impl Drop for AbandonedMark {
 /// The client part of Envoy's `source.address` (`1.2.3.4:5678`, `[2001:db8::1]:5678`): an
 /// IPv4 address without its port, or an IPv6 address's /64 network, which one subscriber
 /// usually has whole (counting single IPv6 addresses, a client could take a new one per
-/// request). `None` for anything else.
+/// request). An IPv4 client seen through a translator by IPv6 (mapped `::ffff:a.b.c.d`, the
+/// well-known NAT64 prefix `64:ff9b::/96`, SIIT's `::ffff:0:a.b.c.d`) is its IPv4 address:
+/// by /64, every IPv4 client behind the translator would count as one. `None` for anything
+/// else.
 pub fn client_key(source_address: &[u8]) -> Option<String> {
     let text = std::str::from_utf8(source_address).ok()?.trim();
     let address: SocketAddr = text.parse().ok()?;
     Some(match address.ip() {
         IpAddr::V4(v4) => v4.to_string(),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+        IpAddr::V6(v6) => match translated_ipv4(v6) {
             Some(v4) => v4.to_string(),
             None => {
                 let network = u128::from(v6) & !((1u128 << 64) - 1);
@@ -111,6 +114,19 @@ pub fn client_key(source_address: &[u8]) -> Option<String> {
             }
         },
     })
+}
+
+/// The IPv4 address an IPv6 address carries in its last 32 bits under a /96 prefix that
+/// translates IPv4: mapped (`::ffff:0:0/96`), NAT64's well-known `64:ff9b::/96`, or SIIT's
+/// IPv4-translated `::ffff:0:0:0/96`.
+fn translated_ipv4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
+    let bits = u128::from(v6);
+    let prefix = bits >> 32;
+    const MAPPED: u128 = 0xffff;
+    const NAT64_WELL_KNOWN: u128 = 0x0064_ff9b << 64;
+    const SIIT_TRANSLATED: u128 = 0xffff_0000;
+    matches!(prefix, MAPPED | NAT64_WELL_KNOWN | SIIT_TRANSLATED)
+        .then(|| Ipv4Addr::from((bits & 0xffff_ffff) as u32))
 }
 
 #[cfg(test)]
@@ -158,9 +174,27 @@ mod tests {
     #[test]
     fn client_keys_drop_the_port() {
         assert_eq!(client_key(b"10.1.2.3:5678").as_deref(), Some("10.1.2.3"));
+        // IPv4 clients through a translator are their IPv4 addresses, not one /64.
+        for translated in [
+            &b"[::ffff:10.1.2.3]:443"[..],
+            b"[64:ff9b::10.1.2.3]:443",
+            b"[64:ff9b::a01:203]:443",
+            b"[::ffff:0:10.1.2.3]:443",
+        ] {
+            assert_eq!(
+                client_key(translated).as_deref(),
+                Some("10.1.2.3"),
+                "{translated:?}"
+            );
+        }
         assert_eq!(
-            client_key(b"[::ffff:10.1.2.3]:443").as_deref(),
-            Some("10.1.2.3")
+            client_key(b"[64:ff9b::10.1.2.4]:443").as_deref(),
+            Some("10.1.2.4")
+        );
+        // Not the translators' prefixes: by /64.
+        assert_eq!(
+            client_key(b"[64:ff9b:1::10.1.2.3]:443").as_deref(),
+            Some("64:ff9b:1::/64")
         );
         // One IPv6 subscriber's addresses are one client.
         for address in [
