@@ -190,7 +190,9 @@ pub fn call_authority(cluster: &str, host: Option<SocketAddr>) -> String {
         return host.to_string();
     }
     let named = match cluster.split('|').collect::<Vec<_>>()[..] {
-        [_, port, _, service] if port.parse::<u16>().is_ok() => format!("{service}:{port}"),
+        [_, port, _, service] if port.parse::<u16>().is_ok() && !service.is_empty() => {
+            format!("{service}:{port}")
+        }
         _ => cluster.to_owned(),
     };
     let plain = |byte: u8| byte.is_ascii_alphanumeric() || b"-._:".contains(&byte);
@@ -223,7 +225,13 @@ mod tests {
             call_authority("prefill-hosts", Some(host)),
             "[fd00::7]:8000"
         );
-        for odd in ["a cluster", "prefill/v1", "outbound|x||a b", "é"] {
+        for odd in [
+            "a cluster",
+            "prefill/v1",
+            "outbound|x||a b",
+            "outbound|8000||",
+            "é",
+        ] {
             assert_eq!(call_authority(odd, None), "localhost", "{odd}");
         }
     }
