@@ -189,8 +189,18 @@ pub fn call_authority(cluster: &str, host: Option<SocketAddr>) -> String {
     if let Some(host) = host {
         return host.to_string();
     }
-    let named = match cluster.split('|').collect::<Vec<_>>()[..] {
-        [_, port, _, service] if port.parse::<u16>().is_ok() && !service.is_empty() => {
+    let mut parts = cluster.split('|');
+    let istio = (
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+        parts.next(),
+    );
+    let named = match istio {
+        (Some(_), Some(port), Some(_), Some(service), None)
+            if port.parse::<u16>().is_ok() && !service.is_empty() =>
+        {
             format!("{service}:{port}")
         }
         _ => cluster.to_owned(),
@@ -230,6 +240,7 @@ mod tests {
             "prefill/v1",
             "outbound|x||a b",
             "outbound|8000||",
+            "outbound|8000||a|b",
             "é",
         ] {
             assert_eq!(call_authority(odd, None), "localhost", "{odd}");
