@@ -50,6 +50,7 @@ use crate::session::{
     FILTER_RAN_FILTER_STATE,
 };
 use crate::stats::Stats;
+use crate::upload_slices::UploadSlices;
 use crate::vm_roots::VmRoots;
 
 thread_local! {
@@ -926,6 +927,7 @@ impl Root for PdRoot {
                 resume_on_return: Cell::new(false),
             }),
             worker: self.worker.clone(),
+            upload: UploadSlices::default(),
         })
     }
 }
@@ -948,6 +950,7 @@ fn decode_was_connected() -> bool {
 struct PdRequest {
     request: Rc<Request>,
     worker: Rc<Worker>,
+    upload: UploadSlices,
 }
 
 /// A request the filter cannot serve (its plugin's configuration was refused, or its root
@@ -1059,6 +1062,18 @@ impl Stream for PdRequest {
     }
 }
 
+/// Has Envoy hold the request body it buffers in one piece: the same bytes, read and put
+/// back ([`crate::upload_slices`]). The length is unchanged, so Envoy's buffer limit is not
+/// crossed (crossing it from here makes Envoy answer 413 from inside the callback).
+fn hold_body_in_one_piece(size: usize) {
+    let rewritten = host::buffer(BufferType::HttpRequestBody, 0, size)
+        .and_then(|body| host::set_buffer(BufferType::HttpRequestBody, 0, body.len(), &body));
+    match rewritten {
+        Ok(()) => log::debug!("request body of {size} bytes held in one piece"),
+        Err(status) => log::debug!("request body not held in one piece: {status:?}"),
+    }
+}
+
 impl PdRequest {
     /// Carries out a response step, reading the answer's first `size` bytes for the session
     /// first when it asks for them.
@@ -1147,6 +1162,10 @@ impl PdRequest {
             .session
             .borrow_mut()
             .on_request_body(body_size, end_of_stream);
+        let held = matches!(&step, BodyStep::Step(step) if step.flow == Flow::Pause);
+        if held && !end_of_stream && self.upload.grown_to(body_size) {
+            hold_body_in_one_piece(body_size);
+        }
         self.run_body_step(step)
     }
 

@@ -4,7 +4,8 @@
 //! [`session`] (one request's state machine), [`callouts`] (a worker's calls, which outlive
 //! requests), [`protocol`] (the P/D protocol by job),
 //! [`config`], [`headers`], [`held_bytes`], [`held_headers_check`], [`abandoned`],
-//! [`decode_outage`], [`vm_roots`], [`request_id`], [`json`], [`log_budget`] and [`api`].
+//! [`decode_outage`], [`upload_slices`], [`vm_roots`], [`request_id`], [`json`],
+//! [`log_budget`] and [`api`].
 //! `filter`, `host`, `logger` and `stats` are the thin adapter to the proxy-wasm host; they
 //! are only built for wasm32 and left out of test builds, so that the unit tests also run as
 //! wasm32 (under Node's WASI). `dispatch` (the module's exports and its registry of contexts)
@@ -37,6 +38,7 @@ pub mod log_budget;
 pub mod protocol;
 pub mod request_id;
 pub mod session;
+pub mod upload_slices;
 pub mod vm_roots;
 
 // The unit tests' heap count (a global allocator), to bound the peaks of a callback.
