@@ -4229,7 +4229,7 @@ fn envoy_yaml_keeps_a_connection_after_a_refused_request_in_envoy() {
 /// stream_idle_timeout, and at the default a couple of thousand such streams made every other
 /// request 503 and every KV release fail (review of the deployment files).
 #[test]
-fn kv_releases_have_a_pool_of_their_own_and_decodes_pool_is_raised() {
+fn kv_releases_have_a_pool_of_their_own_and_the_workers_pools_are_raised() {
     for path in envoy_configs() {
         let relative = path
             .strip_prefix(repo_root())
@@ -4273,7 +4273,13 @@ fn kv_releases_have_a_pool_of_their_own_and_decodes_pool_is_raised() {
                 }
             }
         }
-        for name in routed {
+        // The prefill pools: a full one makes Envoy refuse the filter's call at once (503).
+        let prefill = clusters
+            .iter()
+            .filter_map(|c| c["name"].as_str())
+            .filter(|name| name.starts_with("prefill"))
+            .map(str::to_owned);
+        for name in routed.into_iter().chain(prefill) {
             let cluster = clusters
                 .iter()
                 .find(|c| c["name"] == name.as_str())

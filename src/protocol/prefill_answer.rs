@@ -64,8 +64,9 @@ impl PrefillFailure {
             FailureKind::Unreachable,
             503,
             format!(
-                "prefill request could not be sent to cluster {cluster:?}: Envoy has no such \
-                 cluster, or refused the call at once (no healthy host, or a full pool)"
+                "prefill request could not be sent to cluster {cluster:?}: Envoy refused the \
+                 call at once (the cluster's pool of connections and requests is full, it has \
+                 no healthy host, or Envoy has no such cluster)"
             ),
         )
     }
