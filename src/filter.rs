@@ -1162,7 +1162,9 @@ impl PdRequest {
             .session
             .borrow_mut()
             .on_request_body(body_size, end_of_stream);
-        let held = matches!(&step, BodyStep::Step(step) if step.flow == Flow::Pause);
+        // Only a body the session goes on holding: not one it answers (a 413 past the limit).
+        let held = matches!(&step, BodyStep::Step(step)
+            if step.flow == Flow::Pause && step.commands.is_empty());
         if held && !end_of_stream && self.upload.grown_to(body_size) {
             hold_body_in_one_piece(body_size);
         }
