@@ -50,7 +50,7 @@ fn request(config: &Rc<Config>, held: &HeldBytes, body: &[u8]) -> usize {
         .on_request_complete(body.to_vec(), now)
         .commands
         .len();
-    commands += session.on_prefill_dispatched(Some(1), now).len();
+    commands += session.on_prefill_dispatched(Ok(1), now).len();
     let head = PrefillHead {
         status: Some(200),
         retry_after: None,

@@ -45,8 +45,8 @@ use crate::logger;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
 use crate::session::{
-    reply_without_configuration, reply_without_context, BodyStep, Command, Flow, HostFailure,
-    HttpCall, LocalReply, Metric, PrefillHead, ResponseHead, Session, Step,
+    reply_without_configuration, reply_without_context, BodyStep, CallRefused, Command, Flow,
+    HostFailure, HttpCall, LocalReply, Metric, PrefillHead, ResponseHead, Session, Step,
     FILTER_RAN_FILTER_STATE,
 };
 use crate::stats::Stats;
@@ -114,7 +114,7 @@ struct Worker {
     in_root: Cell<bool>,
     /// The call the root is to send at once, and the token it went out with.
     send_now: RefCell<Option<HttpCall>>,
-    sent_now: Cell<Option<u32>>,
+    sent_now: Cell<Option<Result<u32, CallRefused>>>,
     /// The job the root is to run at once.
     run_now: RefCell<Option<Job<Rc<Request>>>>,
     stats: OnceCell<Stats>,
@@ -274,8 +274,8 @@ impl Worker {
     }
 
     /// Sends `call` as the root from a request's callback. `Err` gives the call back when
-    /// that cannot be done here; `Ok(None)` when it could not be sent.
-    fn send_as_root(&self, call: HttpCall) -> Result<Option<u32>, HttpCall> {
+    /// that cannot be done here; `Ok(Err(_))` when Envoy would not send it.
+    fn send_as_root(&self, call: HttpCall) -> Result<Result<u32, CallRefused>, HttpCall> {
         if self.in_root.get() {
             return Err(call);
         }
@@ -285,7 +285,8 @@ impl Worker {
         // whose calls answer to the root.
         dispatch::proxy_on_queue_ready(self.root_id, SEND_NOW);
         self.send_now.borrow_mut().take();
-        Ok(self.sent_now.take())
+        // The root's callback did not run: as a call Envoy refused.
+        Ok(self.sent_now.take().unwrap_or(Err(CallRefused::AtOnce)))
     }
 
     /// Runs `job` as the root from a request's callback, at once: the dispatcher drops the
@@ -316,8 +317,8 @@ impl Worker {
     fn hand_over(&self, job: Job<Rc<Request>>, clock: &Clock) {
         let job = match job {
             Job::Prefill(request, call) => match self.send_as_root(call) {
-                Ok(token) => {
-                    self.prefill_dispatched(&request, token, In::Request, clock);
+                Ok(sent) => {
+                    self.prefill_dispatched(&request, sent, In::Request, clock);
                     return;
                 }
                 Err(call) => Job::Prefill(request, call),
@@ -343,12 +344,12 @@ impl Worker {
     /// The root's turn: the call to send at once, or every call queued since the last turn.
     fn on_queue_ready(&self, queue: u32) {
         if queue == SEND_NOW {
-            let token = self
+            let sent = self
                 .send_now
                 .borrow()
                 .as_ref()
-                .and_then(|call| self.dispatch(call));
-            self.sent_now.set(token);
+                .map(|call| self.try_dispatch(call).map_err(refusal));
+            self.sent_now.set(sent);
             return;
         }
         if queue == RUN_NOW {
@@ -378,10 +379,6 @@ impl Worker {
         }
     }
 
-    fn dispatch(&self, call: &HttpCall) -> Option<u32> {
-        self.try_dispatch(call).ok()
-    }
-
     /// Envoy answers `BadArgument` for a cluster it does not have, and `InternalFailure` for
     /// a call it refused at once (the cluster's pool full, no healthy host).
     fn try_dispatch(&self, call: &HttpCall) -> Result<u32, u32> {
@@ -390,18 +387,18 @@ impl Worker {
     }
 
     fn dispatch_prefill(&self, request: &Rc<Request>, call: &HttpCall, context: In, clock: &Clock) {
-        let token = self.dispatch(call);
-        self.prefill_dispatched(request, token, context, clock);
+        let sent = self.try_dispatch(call).map_err(refusal);
+        self.prefill_dispatched(request, sent, context, clock);
     }
 
     fn prefill_dispatched(
         &self,
         request: &Rc<Request>,
-        token: Option<u32>,
+        sent: Result<u32, CallRefused>,
         context: In,
         clock: &Clock,
     ) {
-        if let Some(token) = token {
+        if let Ok(token) = sent {
             self.callouts
                 .borrow_mut()
                 .prefill_sent(token, request.clone());
@@ -409,7 +406,7 @@ impl Worker {
         let commands = request
             .session
             .borrow_mut()
-            .on_prefill_dispatched(token, clock.now());
+            .on_prefill_dispatched(sent, clock.now());
         self.act_on(request, commands, context, clock);
     }
 
@@ -1059,6 +1056,15 @@ impl Stream for PdRequest {
             .borrow_mut()
             .on_response_body(body_size, end_of_stream);
         self.read_response_body(step, body_size, end_of_stream)
+    }
+}
+
+/// What a status from `proxy_http_call` says of why Envoy would not send the call.
+fn refusal(status: u32) -> CallRefused {
+    if status == host::BAD_ARGUMENT {
+        CallRefused::NoSuchCluster
+    } else {
+        CallRefused::AtOnce
     }
 }
 

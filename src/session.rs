@@ -176,6 +176,15 @@ pub enum BodyStep {
     Step(Step),
 }
 
+/// Why Envoy would not send a call it was asked to make.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallRefused {
+    /// Envoy has no cluster of that name.
+    NoSuchCluster,
+    /// Envoy refused it at once: the cluster's pool full, or no healthy host.
+    AtOnce,
+}
+
 /// A host call that failed, reported back to the session.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostFailure {

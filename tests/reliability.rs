@@ -284,7 +284,7 @@ async fn an_unknown_prefill_cluster_is_503_naming_it_and_the_listener_keeps_work
             &id,
             body,
             503,
-            "\"no_such_cluster\"",
+            "\"no_such_cluster\": Envoy has no such cluster",
         )
         .await;
         assert!(h.prefill_requests(&id).is_empty());

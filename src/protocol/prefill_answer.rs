@@ -58,16 +58,19 @@ impl PrefillFailure {
         }
     }
 
-    /// The callout could not even be sent (for example, the cluster does not exist).
-    pub fn not_dispatched(cluster: &str) -> PrefillFailure {
+    /// The callout could not even be sent: Envoy has no such cluster, or refused the call at
+    /// once.
+    pub fn not_dispatched(cluster: &str, no_such_cluster: bool) -> PrefillFailure {
+        let why = if no_such_cluster {
+            "Envoy has no such cluster"
+        } else {
+            "Envoy refused the call at once (the cluster's pool of connections and requests is \
+             full, or it has no healthy host)"
+        };
         PrefillFailure::new(
             FailureKind::Unreachable,
             503,
-            format!(
-                "prefill request could not be sent to cluster {cluster:?}: Envoy refused the \
-                 call at once (the cluster's pool of connections and requests is full, it has \
-                 no healthy host, or Envoy has no such cluster)"
-            ),
+            format!("prefill request could not be sent to cluster {cluster:?}: {why}"),
         )
     }
 

@@ -340,7 +340,12 @@ impl Session {
     }
 
     /// Whether the last [`Command::DispatchPrefill`] went out, with its token.
-    pub fn on_prefill_dispatched(&mut self, token: Option<u32>, now: SystemTime) -> Vec<Command> {
+    pub fn on_prefill_dispatched(
+        &mut self,
+        sent: Result<u32, CallRefused>,
+        now: SystemTime,
+    ) -> Vec<Command> {
+        let token = sent.ok();
         let prefill = match std::mem::replace(&mut self.state, State::PassThrough) {
             State::Dispatching(prefill) => prefill,
             State::Abandoned {
@@ -372,7 +377,8 @@ impl Session {
                 );
                 // Not retried: Envoy refused it at once (no such cluster, no healthy host, a
                 // full pool), which the client is told at once (503).
-                let failure = PrefillFailure::not_dispatched(&prefill.cluster);
+                let no_such_cluster = sent == Err(CallRefused::NoSuchCluster);
+                let failure = PrefillFailure::not_dispatched(&prefill.cluster, no_such_cluster);
                 self.give_up(prefill, &failure, now)
             }
         }

@@ -238,9 +238,9 @@ impl Host {
                     let token = if self.random.chance(90) {
                         self.next_token += 1;
                         self.outstanding.push(self.next_token);
-                        Some(self.next_token)
+                        Ok(self.next_token)
                     } else {
-                        None
+                        Err(CallRefused::AtOnce)
                     };
                     self.trace.push(format!("dispatched: {token:?}"));
                     let now = self.now();

@@ -165,7 +165,7 @@ fn held_headers_wait_for_prefill_where_the_host_allows_it() {
     );
     let mut held = session(r#"{"hold_request_headers":true}"#);
     send(&mut held, &post("/v1/chat/completions"), CHAT);
-    held.on_prefill_dispatched(Some(1), at(0));
+    held.on_prefill_dispatched(Ok(1), at(0));
     let commands = held.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert_eq!(commands.last(), Some(&Command::ResumeRequest));
 }
@@ -330,7 +330,7 @@ fn an_orchestrated_request_goes_through_prefill_then_decode() {
     assert_eq!(prefill["min_tokens"], 1);
     assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true);
 
-    assert!(session.on_prefill_dispatched(Some(7), at(1)).is_empty());
+    assert!(session.on_prefill_dispatched(Ok(7), at(1)).is_empty());
     let commands = session.on_prefill_answer(7, Some(200), prefill_ok().as_bytes(), at(40));
     let decode = replaced_body(CHAT, &commands).unwrap();
     let expected: Value = serde_json::from_str(KV).unwrap();
@@ -582,7 +582,7 @@ fn a_decode_body_that_would_not_fit_is_413_and_never_written() {
     let body = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(limit - 20));
     let step = send(&mut s, &post("/v1/completions"), &body);
     dispatched(&step.commands);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert_eq!(reply(&commands).0, 413);
     assert!(replaced_body(&body, &commands).is_none());
@@ -652,7 +652,7 @@ fn prefilling(config: &str) -> Session {
 fn prefilling_body(config: &str, body: &str) -> Session {
     let mut s = session(config);
     send(&mut s, &post("/v1/completions"), body);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     s
 }
 
@@ -734,7 +734,7 @@ fn a_client_that_leaves_during_prefill_has_its_kv_released() {
     let mut s = session("");
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
     assert_eq!(s.on_stream_done().len(), 1);
-    assert!(s.on_prefill_dispatched(Some(3), at(1)).is_empty());
+    assert!(s.on_prefill_dispatched(Ok(3), at(1)).is_empty());
     released(&s.on_prefill_answer(3, Some(200), prefill_ok().as_bytes(), at(2)));
 
     // No KV, nothing to release (its failure counted all the same); not configured,
@@ -825,7 +825,7 @@ fn kv_is_released_only_when_decode_never_took_the_request() {
     let mut s = session("");
     let chat = r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":9}"#;
     send(&mut s, &post("/v1/chat/completions"), chat);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(
         !s.wants_response_details(Some(200)),
@@ -1012,7 +1012,7 @@ fn retries_go_to_the_next_scheduled_host_within_the_time_budget() {
     let mut seen = vec![];
     let mut now = 0;
     for token in 1..=3 {
-        s.on_prefill_dispatched(Some(token), at(now));
+        s.on_prefill_dispatched(Ok(token), at(now));
         now += 100;
         let commands = answer_retrying(
             &mut s,
@@ -1035,7 +1035,7 @@ fn retries_go_to_the_next_scheduled_host_within_the_time_budget() {
         );
     }
     assert_eq!(seen, ["10.0.0.2:8000", "10.0.0.1:8000", "10.0.0.2:8000"]);
-    s.on_prefill_dispatched(Some(4), at(now));
+    s.on_prefill_dispatched(Ok(4), at(now));
     let commands = s.on_prefill_answer(4, Some(503), b"no healthy upstream", at(now + 1));
     assert_eq!(reply(&commands).0, 503);
     assert_eq!(
@@ -1061,7 +1061,7 @@ fn a_retry_reads_the_body_envoy_holds_again() {
     assert_eq!(prefill["max_tokens"], 1);
     assert_eq!(prefill["min_tokens"], 1, "{prefill}");
     // The retry is served like the first attempt: decode gets the client's own limits.
-    s.on_prefill_dispatched(Some(2), at(6));
+    s.on_prefill_dispatched(Ok(2), at(6));
     let commands = s.on_prefill_answer(2, Some(200), prefill_ok().as_bytes(), at(9));
     let decode = replaced_body(body, &commands).unwrap();
     assert_eq!(decode["max_tokens"], 40);
@@ -1093,13 +1093,13 @@ fn no_retry_in_the_last_moments_of_the_budget() {
     for failed_at in [999, 800] {
         let mut s = session(r#"{"prefill_retries":5,"prefill_timeout_ms":1000}"#);
         send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
-        s.on_prefill_dispatched(Some(1), at(0));
+        s.on_prefill_dispatched(Ok(1), at(0));
         let commands = s.on_prefill_answer(1, Some(503), b"busy", at(failed_at));
         assert_eq!(reply(&commands).0, 503, "failed at {failed_at} ms");
     }
     let mut s = session(r#"{"prefill_retries":5,"prefill_timeout_ms":1000}"#);
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     let commands = s.on_prefill_answer(1, Some(503), b"busy", at(700));
     assert_eq!(
         commands,
@@ -1112,7 +1112,7 @@ fn no_retry_in_the_last_moments_of_the_budget() {
 fn no_retry_once_the_budget_is_spent_or_for_what_prefill_worked_on() {
     let mut s = session(r#"{"prefill_retries":5,"prefill_timeout_ms":1000}"#);
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     let commands = s.on_prefill_answer(1, None, b"", at(1000));
     // Ended without headers as its time was up: Envoy's timeout of an answer that began.
     assert_eq!(reply(&commands).0, 504);
@@ -1128,7 +1128,7 @@ fn no_retry_once_the_budget_is_spent_or_for_what_prefill_worked_on() {
     ] {
         let mut s = session(r#"{"prefill_retries":5}"#);
         send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
-        s.on_prefill_dispatched(Some(1), at(0));
+        s.on_prefill_dispatched(Ok(1), at(0));
         let commands = s.on_prefill_answer(1, Some(status), body, at(10));
         assert_eq!(reply(&commands).0, expected);
     }
@@ -1147,7 +1147,7 @@ fn a_call_reset_when_its_time_is_up_timed_out() {
     ] {
         let mut s = session(r#"{"prefill_timeout_ms":1000}"#);
         send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
-        s.on_prefill_dispatched(Some(1), at(0));
+        s.on_prefill_dispatched(Ok(1), at(0));
         let commands = s.on_prefill_answer(1, None, b"", at(answered_ms));
         let (got, body) = reply(&commands);
         assert_eq!(got, status, "{answered_ms} ms: {body}");
@@ -1167,13 +1167,21 @@ fn a_call_reset_when_its_time_is_up_timed_out() {
 fn a_call_that_cannot_be_sent_is_503_without_retry() {
     let mut s = session(r#"{"prefill_retries":3}"#);
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
-    let commands = s.on_prefill_dispatched(None, at(0));
+    let commands = s.on_prefill_dispatched(Err(CallRefused::AtOnce), at(0));
     let (status, body) = reply(&commands);
     assert_eq!(status, 503);
-    assert!(body["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("\"prefill\""));
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("\"prefill\""), "{message}");
+    assert!(message.contains("pool"), "{message}");
+    assert!(!message.contains("no such cluster"), "{message}");
+    // A cluster Envoy does not have is named as such.
+    let mut s = session("");
+    send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
+    let commands = s.on_prefill_dispatched(Err(CallRefused::NoSuchCluster), at(0));
+    let (status, body) = reply(&commands);
+    assert_eq!(status, 503);
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.ends_with("Envoy has no such cluster"), "{message}");
 }
 
 #[test]
@@ -1237,7 +1245,7 @@ fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
     // A 2xx without kv_transfer_params, under the default policy.
     let mut s = session("");
     send(&mut s, &post("/v1/completions"), body);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     let commands = s.on_prefill_answer(1, Some(200), br#"{"id":"p"}"#, at(3));
     assert_eq!(
         replaced_body(body, &commands).unwrap(),
@@ -1256,7 +1264,7 @@ fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
     // Prefill unreachable, with on_prefill_failure decode_only.
     let mut s = session(r#"{"on_prefill_failure":"decode_only","prefill_retries":0}"#);
     send(&mut s, &post("/v1/completions"), body);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     let commands = s.on_prefill_answer(1, Some(503), b"no healthy upstream", at(3));
     assert_eq!(
         replaced_body(body, &commands).unwrap(),
@@ -1267,7 +1275,7 @@ fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
     // Without client kv_transfer_params the body goes as it is.
     let mut s = session("");
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     let commands = s.on_prefill_answer(1, Some(200), b"{}", at(3));
     assert!(replaced_body(r#"{"prompt":"x"}"#, &commands).is_none());
     assert_eq!(commands.last(), Some(&Command::ResumeRequest));
@@ -1289,7 +1297,7 @@ fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
     ] {
         let mut s = session(config);
         send(&mut s, &post("/v1/completions"), body);
-        s.on_prefill_dispatched(Some(1), at(0));
+        s.on_prefill_dispatched(Ok(1), at(0));
         let commands = s.on_prefill_answer(1, Some(status), answer, at(3));
         assert_eq!(reply(&commands).0, expected);
     }
@@ -1299,7 +1307,7 @@ fn decode_only_sends_decode_no_kv_transfer_params_at_all() {
 fn answers_for_other_calls_or_gone_clients_change_nothing() {
     let mut s = session("");
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
-    s.on_prefill_dispatched(Some(5), at(0));
+    s.on_prefill_dispatched(Ok(5), at(0));
     assert!(s
         .on_prefill_answer(4, Some(200), prefill_ok().as_bytes(), at(1))
         .is_empty());
@@ -1308,7 +1316,7 @@ fn answers_for_other_calls_or_gone_clients_change_nothing() {
     assert!(commands
         .iter()
         .all(|c| matches!(c, Command::ReleaseKv(_) | Command::Record(_))));
-    assert!(s.on_prefill_dispatched(Some(6), at(3)).is_empty());
+    assert!(s.on_prefill_dispatched(Ok(6), at(3)).is_empty());
 }
 
 #[test]
@@ -1366,7 +1374,7 @@ fn a_models_kv_is_released_through_its_own_decode_pool() {
         let mut s = session(config);
         let body = serde_json::json!({"model": model, "prompt": "x"}).to_string();
         send(&mut s, &post("/v1/completions"), &body);
-        s.on_prefill_dispatched(Some(1), at(0));
+        s.on_prefill_dispatched(Ok(1), at(0));
         s.on_stream_done();
         let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
         assert_eq!(&*release_call(&commands).cluster, decode_pool, "{model}");
@@ -1420,7 +1428,7 @@ fn prefilling_at_a_scheduled_host() -> Session {
         &[("x-prefiller-host-port", "10.0.0.9:8000")],
     );
     send(&mut s, &hosts, r#"{"prompt":"x"}"#);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     s
 }
 
@@ -1601,7 +1609,7 @@ fn reads_stream(config: &str, path: &str, body: &str) -> bool {
     };
     let mut s = session(config);
     send(&mut s, &post(path), body);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     s.on_prefill_answer(1, Some(200), prefill_answer.as_bytes(), at(5));
     s.on_response_headers(&ResponseHead {
         content_type: Some("text/event-stream"),
@@ -1862,7 +1870,7 @@ fn a_stream_is_read_whatever_details_prefill_reported() {
     let streams_read = |path: &str, body: &str, prefill_usage: &str| {
         let mut s = session("");
         send(&mut s, &post(path), body);
-        s.on_prefill_dispatched(Some(1), at(0));
+        s.on_prefill_dispatched(Ok(1), at(0));
         let answer = format!(r#"{{"id":"p","kv_transfer_params":{KV},"usage":{prefill_usage}}}"#);
         s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
         s.on_response_headers(&ResponseHead {
@@ -1929,7 +1937,7 @@ fn decodes_hits_are_cleared_in_a_stream_whose_prefill_had_none() {
         ] {
             let mut s = session("");
             send(&mut s, &post(path), body);
-            s.on_prefill_dispatched(Some(1), at(0));
+            s.on_prefill_dispatched(Ok(1), at(0));
             let answer =
                 format!(r#"{{"id":"p","kv_transfer_params":{KV},"usage":{prefill_usage}}}"#);
             s.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
@@ -2240,7 +2248,7 @@ fn each_request_has_one_outcome_and_client_errors_are_no_prefill_failures() {
     let mut s = session("");
     send(&mut s, &post("/v1/completions"), r#"{"prompt":"x"}"#);
     assert_eq!(
-        recorded(&s.on_prefill_dispatched(None, at(0))),
+        recorded(&s.on_prefill_dispatched(Err(CallRefused::AtOnce), at(0))),
         vec![
             latency(PrefillResult::Failed),
             Metric::PrefillFailure(Unreachable),
@@ -2253,7 +2261,7 @@ fn each_request_has_one_outcome_and_client_errors_are_no_prefill_failures() {
     let mut s = session(&format!(r#"{{"max_request_body_bytes":{limit}}}"#));
     let body = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(limit - 20));
     send(&mut s, &post("/v1/completions"), &body);
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     let commands = s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert_eq!(
         recorded(&commands),
@@ -2492,7 +2500,7 @@ fn what_requests_hold_in_the_vm_stays_within_its_budget() {
         .any(|c| matches!(c, Command::DispatchPrefill(_))));
     // Once the first request's body is no longer needed, only what its release needs stays
     // held, and the next one fits.
-    first.on_prefill_dispatched(Some(1), at(0));
+    first.on_prefill_dispatched(Ok(1), at(0));
     first.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(held.held() < whole.len());
     drop(first);
@@ -2516,13 +2524,13 @@ fn what_requests_hold_in_the_vm_stays_within_its_budget() {
     let asks = r#"{"prompt":"p","max_tokens":5,"prompt_logprobs":1}"#;
     let mut decoding = Session::new(config.clone(), held.clone());
     send(&mut decoding, &post("/v1/completions"), asks);
-    decoding.on_prefill_dispatched(Some(1), at(0));
+    decoding.on_prefill_dispatched(Ok(1), at(0));
     let commands = decoding.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
     assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
     assert!(held.held() > logprobs.len());
     let mut refused = Session::new(config.clone(), held.clone());
     send(&mut refused, &post("/v1/completions"), asks);
-    refused.on_prefill_dispatched(Some(1), at(0));
+    refused.on_prefill_dispatched(Ok(1), at(0));
     let commands = refused.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
     assert_eq!(reply(&commands).0, 503);
     released(&commands);
@@ -2549,7 +2557,7 @@ fn what_requests_hold_in_the_vm_stays_within_its_budget() {
     // An answer that does not get them (an error here) gives them back at its headers.
     let mut refused_by_decode = Session::new(config.clone(), held.clone());
     send(&mut refused_by_decode, &post("/v1/completions"), asks);
-    refused_by_decode.on_prefill_dispatched(Some(1), at(0));
+    refused_by_decode.on_prefill_dispatched(Ok(1), at(0));
     refused_by_decode.on_prefill_answer(1, Some(200), answer_with(&logprobs).as_bytes(), at(5));
     assert!(held.held() > logprobs.len());
     refused_by_decode.on_response_headers(&upstream(400));
@@ -2594,7 +2602,7 @@ fn the_plan_of_decodes_body_counts_while_prefill_works() {
     assert!(!has_reply(&step.commands), "{:?}", step.commands);
     assert!(held.held() >= repeated.len() + plan, "{} held", held.held());
     // Given back once prefill has answered: decode's body is written.
-    edited.on_prefill_dispatched(Some(1), at(0));
+    edited.on_prefill_dispatched(Ok(1), at(0));
     let commands = edited.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(5));
     assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
     assert!(held.held() < 4096, "{} held", held.held());
@@ -2633,14 +2641,14 @@ fn the_kv_kept_for_a_release_counts_until_decode_answers() {
     let body = r#"{"prompt":"p","max_tokens":5}"#;
     let mut first = Session::new(config.clone(), held.clone());
     send(&mut first, &post("/v1/completions"), body);
-    first.on_prefill_dispatched(Some(1), at(0));
+    first.on_prefill_dispatched(Ok(1), at(0));
     let commands = first.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
     assert!(commands.contains(&Command::ResumeRequest), "{commands:?}");
     assert!(held.held() >= kv.len(), "{} held", held.held());
     // Past the budget, the next such request is refused after prefill, its KV released.
     let mut second = Session::new(config.clone(), held.clone());
     send(&mut second, &post("/v1/completions"), body);
-    second.on_prefill_dispatched(Some(1), at(0));
+    second.on_prefill_dispatched(Ok(1), at(0));
     let commands = second.on_prefill_answer(1, Some(200), answer.as_bytes(), at(5));
     assert_eq!(reply(&commands).0, 503);
     released(&commands);
@@ -2753,7 +2761,7 @@ fn a_client_that_left_too_many_prefills_running_is_refused_until_they_end() {
         assert!(refusal.is_none());
         assert_eq!(s.on_request_body(20, true), BodyStep::ReadBody);
         s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
-        s.on_prefill_dispatched(Some(token), at(0));
+        s.on_prefill_dispatched(Ok(token), at(0));
         leaves(&mut s, "10.0.0.1:4000");
         left.push(s);
     }
@@ -2762,7 +2770,7 @@ fn a_client_that_left_too_many_prefills_running_is_refused_until_they_end() {
     assert!(refusal.is_none());
     stays.on_request_body(14, true);
     stays.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
-    stays.on_prefill_dispatched(Some(9), at(0));
+    stays.on_prefill_dispatched(Ok(9), at(0));
     let (mut uploading, refusal) = from_client(&abandoned, "10.0.0.3:4002");
     assert!(refusal.is_none());
     leaves(&mut uploading, "10.0.0.3:4002");
@@ -2804,7 +2812,7 @@ fn a_client_that_left_too_many_prefills_running_is_refused_until_they_end() {
     assert!(!s.wants_client_address());
     s.on_request_body(14, true);
     s.on_request_complete(br#"{"prompt":"x"}"#.to_vec(), at(0));
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     assert!(!s.wants_address_on_leaving());
 }
 
@@ -2873,7 +2881,7 @@ fn a_prefill_that_asks_for_a_pause_is_not_asked_again_at_once() {
             &headers("POST", "/v1/completions", &hosts),
             r#"{"prompt":"x"}"#,
         );
-        s.on_prefill_dispatched(Some(1), at(0));
+        s.on_prefill_dispatched(Ok(1), at(0));
         let commands = s.on_prefill_response(1, pause("5"), busy, at(5));
         let again = commands
             .iter()
@@ -2891,7 +2899,7 @@ fn the_filters_503s_say_when_to_try_again() {
         &post("/v1/completions"),
         r#"{"prompt":"x","max_tokens":5}"#,
     );
-    let commands = s.on_prefill_dispatched(None, at(0));
+    let commands = s.on_prefill_dispatched(Err(CallRefused::AtOnce), at(0));
     let has_retry_after = |commands: &[Command]| {
         commands.iter().any(|c| {
             matches!(c, Command::SendReply(r)
@@ -2924,7 +2932,7 @@ fn streaming_responses(config: &str) -> (Session, HeldBytes) {
         &post("/v1/responses"),
         r#"{"model":"m","input":"x","stream":true}"#,
     );
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     let prefill = format!(
         r#"{{"id":"p","kv_transfer_params":{KV},"usage":{{"input_tokens":3,"output_tokens":1,"total_tokens":4,"input_tokens_details":{{"cached_tokens":1}}}}}}"#
     );
@@ -3103,7 +3111,7 @@ fn prefills_answer_is_the_whole_answer_to_a_one_token_echo_with_logprobs() {
         String::from_utf8_lossy(&dispatched(&step.commands).body),
         body
     );
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     let answer = br#"{"id":"cmpl-1","choices":[{"text":"a b c","logprobs":{"tokens":["a"," b"," c"]}}],"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3},"kv_transfer_params":null}"#;
     let commands = s.on_prefill_answer(1, Some(200), answer, at(5));
     let sent = commands
@@ -3169,7 +3177,7 @@ fn an_echo_with_logprobs_beyond_one_token_gets_prefills_prompt_before_decodes_an
         (&prefill["max_tokens"], &prefill["echo"], &prefill["n"]),
         (&json!(0), &json!(true), &json!(1))
     );
-    s.on_prefill_dispatched(Some(1), at(0));
+    s.on_prefill_dispatched(Ok(1), at(0));
     let answer = format!(
         r#"{{"id":"p","choices":[{{"index":0,"text":"a b","logprobs":{{"text_offset":[0,1],"token_logprobs":[null,-0.5],"tokens":["a"," b"],"top_logprobs":[null,{{" b":-0.5}}]}},"prompt_logprobs":[null,{{"7":{{"logprob":-0.5}}}}]}}],"kv_transfer_params":{KV}}}"#
     );
@@ -3224,7 +3232,7 @@ fn chat_for(outages: &DecodeOutages, model: &str, now_ms: u64) -> (Session, Vec<
 
 /// Decode's answer (or Envoy's in its place) to a request that went to prefill at `now_ms`.
 fn decode_answers(s: &mut Session, head: ResponseHead<'_>, now_ms: u64) {
-    s.on_prefill_dispatched(Some(1), at(now_ms));
+    s.on_prefill_dispatched(Ok(1), at(now_ms));
     s.on_prefill_answer(1, Some(200), prefill_ok().as_bytes(), at(now_ms + 1));
     s.on_response_headers(&ResponseHead {
         envoys_own_at: Some(at(now_ms + 2)),
@@ -3282,7 +3290,7 @@ fn while_envoy_cannot_connect_to_decode_requests_are_refused_before_prefill() {
     let outages = DecodeOutages::new(Duration::from_millis(1_000));
     for now_ms in [0, 150, 300] {
         let (mut s, _) = chat_for(&outages, "m", now_ms);
-        s.on_prefill_dispatched(Some(1), at(now_ms));
+        s.on_prefill_dispatched(Ok(1), at(now_ms));
         assert!(s.watches_response() && s.wants_response_details(Some(503)));
         s.on_response_headers(&ResponseHead {
             envoys_own_at: Some(at(now_ms + 1)),
@@ -3313,7 +3321,7 @@ fn a_host_that_asked_for_a_pause_is_not_tried_again_by_the_same_request() {
         let mut s = session(config);
         let hosts = [("x-prefiller-host-port", "10.0.0.1:8000,10.0.0.2:8000")];
         send(&mut s, &headers("POST", "/v1/completions", &hosts), body);
-        s.on_prefill_dispatched(Some(1), at(0));
+        s.on_prefill_dispatched(Ok(1), at(0));
         let pause = PrefillHead {
             status: Some(503),
             retry_after: Some("5"),
@@ -3326,7 +3334,7 @@ fn a_host_that_asked_for_a_pause_is_not_tried_again_by_the_same_request() {
             call_header(dispatched(&commands), ORIGINAL_DST_HEADER),
             Some("10.0.0.2:8000")
         );
-        s.on_prefill_dispatched(Some(2), at(6));
+        s.on_prefill_dispatched(Ok(2), at(6));
         let second = PrefillHead {
             status: Some(503),
             retry_after: second_asks_to_wait.then_some("5"),
