@@ -3536,6 +3536,15 @@ async fn long_stream_server(total: usize) -> (u16, std::sync::Arc<std::sync::Mut
     (port, written)
 }
 
+/// The bytes Envoy's heap has allocated, read from its admin endpoint when asked (the
+/// `server.memory_allocated` stat waits for the next stats flush).
+fn heap_allocated(admin_port: u16) -> u64 {
+    common::http_get(admin_port, "/memory")
+        .and_then(|text| serde_json::from_str::<Value>(&text).ok())
+        .and_then(|memory| memory["allocated"].as_str()?.parse().ok())
+        .expect("allocated, from /memory")
+}
+
 /// envoy/envoy.yaml as shipped holds little for clients that stop reading a long answer:
 /// Envoy stops reading decode once a client's connection holds the listener's buffer
 /// (1 MiB). At 16 MiB, 180 HTTP/1.1 clients that paused their reading of long streams took
@@ -3558,13 +3567,7 @@ fn envoy_yaml_holds_little_for_clients_that_stop_reading_in_envoy() {
             &format!("port_value: {decode_port} }}"),
         )
     });
-    // Read when asked (the server.memory_allocated stat waits for the next stats flush).
-    let allocated = || -> u64 {
-        common::http_get(envoy.admin_port, "/memory")
-            .and_then(|text| serde_json::from_str::<Value>(&text).ok())
-            .and_then(|memory| memory["allocated"].as_str()?.parse().ok())
-            .expect("allocated, from /memory")
-    };
+    let allocated = || heap_allocated(envoy.admin_port);
     let before = allocated();
     let body = json!({"model": "mock-model", "prompt": "a long answer", "max_tokens": 100_000,
         "stream": true})
@@ -3612,12 +3615,7 @@ fn envoy_yaml_holds_a_body_uploaded_in_small_pieces_at_about_its_size_in_envoy()
     const CLIENTS: usize = 4;
     const PIECE: usize = 1024;
     let (_runtime, _prefill, decode, envoy) = envoy_yaml_before_mocks("run-small-pieces");
-    let allocated = || -> u64 {
-        common::http_get(envoy.admin_port, "/memory")
-            .and_then(|text| serde_json::from_str::<Value>(&text).ok())
-            .and_then(|memory| memory["allocated"].as_str()?.parse().ok())
-            .expect("allocated, from /memory")
-    };
+    let allocated = || heap_allocated(envoy.admin_port);
     let words = "lorem ipsum dolor sit amet ".repeat(40_000);
     let bodies: Vec<String> = (0..CLIENTS)
         .map(|client| {
