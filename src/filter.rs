@@ -479,12 +479,13 @@ impl Worker {
         };
         // Sent again later either way: a cluster Envoy does not have may be one a dynamic
         // configuration is replacing for a few seconds.
-        let why = if status == host::BAD_ARGUMENT {
-            "Envoy has no such cluster (decode_cluster, model_decode_clusters)"
-        } else {
+        let why = match refusal(status) {
+            CallRefused::NoSuchCluster => {
+                "Envoy has no such cluster (decode_cluster, model_decode_clusters)"
+            }
             // Decode's pool full or without a healthy host, for the release as for the
             // request it follows.
-            "its pool is full or has no healthy host"
+            CallRefused::AtOnce => "its pool is full or has no healthy host",
         };
         log::warn!(
             "[{}] KV release to cluster {:?} refused by Envoy at once (attempt {}): {why}",
