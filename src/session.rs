@@ -31,6 +31,7 @@ mod outcome;
 mod prefill;
 mod release;
 
+pub use crate::protocol::prefill_answer::CallRefused;
 use answer::AnswerRewrite;
 pub use answer::ResponseHead;
 pub use outcome::{Outcome, PrefillResult};
@@ -174,15 +175,6 @@ pub enum BodyStep {
     /// The body is complete: read all of it and hand it to [`Session::on_request_complete`].
     ReadBody,
     Step(Step),
-}
-
-/// Why Envoy would not send a call it was asked to make.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CallRefused {
-    /// Envoy has no cluster of that name.
-    NoSuchCluster,
-    /// Envoy refused it at once: the cluster's pool full, or no healthy host.
-    AtOnce,
 }
 
 /// A host call that failed, reported back to the session.

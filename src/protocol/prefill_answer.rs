@@ -50,6 +50,15 @@ pub struct PrefillFailure {
     pub error: ClientError,
 }
 
+/// Why Envoy would not send a call it was asked to make.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallRefused {
+    /// Envoy has no cluster of that name.
+    NoSuchCluster,
+    /// Envoy refused it at once: the cluster's pool full, or no healthy host.
+    AtOnce,
+}
+
 impl PrefillFailure {
     fn new(kind: FailureKind, status: u16, message: String) -> PrefillFailure {
         PrefillFailure {
@@ -58,14 +67,14 @@ impl PrefillFailure {
         }
     }
 
-    /// The callout could not even be sent: Envoy has no such cluster, or refused the call at
-    /// once.
-    pub fn not_dispatched(cluster: &str, no_such_cluster: bool) -> PrefillFailure {
-        let why = if no_such_cluster {
-            "Envoy has no such cluster"
-        } else {
-            "Envoy refused the call at once (the cluster's pool of connections and requests is \
-             full, or it has no healthy host)"
+    /// The callout could not even be sent.
+    pub fn not_dispatched(cluster: &str, refused: CallRefused) -> PrefillFailure {
+        let why = match refused {
+            CallRefused::NoSuchCluster => "Envoy has no such cluster",
+            CallRefused::AtOnce => {
+                "Envoy refused the call at once (the cluster's pool of connections and requests \
+                 is full, or it has no healthy host)"
+            }
         };
         PrefillFailure::new(
             FailureKind::Unreachable,

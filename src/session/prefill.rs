@@ -345,15 +345,17 @@ impl Session {
         sent: Result<u32, CallRefused>,
         now: SystemTime,
     ) -> Vec<Command> {
-        let token = sent.ok();
         let prefill = match std::mem::replace(&mut self.state, State::PassThrough) {
             State::Dispatching(prefill) => prefill,
             State::Abandoned {
                 prefill,
                 token: None,
             } => {
-                if token.is_some() {
-                    self.state = State::Abandoned { prefill, token };
+                if let Ok(token) = sent {
+                    self.state = State::Abandoned {
+                        prefill,
+                        token: Some(token),
+                    };
                 } else {
                     self.state = State::Finished;
                 }
@@ -364,12 +366,12 @@ impl Session {
                 return Vec::new();
             }
         };
-        match token {
-            Some(token) => {
+        match sent {
+            Ok(token) => {
                 self.state = State::AwaitingPrefill { prefill, token };
                 Vec::new()
             }
-            None => {
+            Err(refused) => {
                 log::debug!(
                     "[{}] prefill call to {:?} could not be dispatched",
                     self.request_id,
@@ -377,8 +379,7 @@ impl Session {
                 );
                 // Not retried: Envoy refused it at once (no such cluster, no healthy host, a
                 // full pool), which the client is told at once (503).
-                let no_such_cluster = sent == Err(CallRefused::NoSuchCluster);
-                let failure = PrefillFailure::not_dispatched(&prefill.cluster, no_such_cluster);
+                let failure = PrefillFailure::not_dispatched(&prefill.cluster, refused);
                 self.give_up(prefill, &failure, now)
             }
         }
