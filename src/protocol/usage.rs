@@ -77,6 +77,9 @@ struct Fields {
     /// The details object among them, whose `cached_tokens` decode would otherwise report
     /// alone.
     details: Option<&'static str>,
+    /// The count of cache reads kept in the usage itself, which decode would otherwise
+    /// report alone.
+    reads: Option<&'static str>,
     /// Whether `prompt` counts the same prompt alike on both legs, so that decode's count
     /// can be held against prefill's ([`PromptUsage::decode_counted_another`]).
     prompt_counts_alike: bool,
@@ -92,6 +95,7 @@ fn fields(api: Api) -> Option<Fields> {
             total: Some("total_tokens"),
             prompt_side: &["prompt_tokens_details"],
             details: Some("prompt_tokens_details"),
+            reads: None,
             prompt_counts_alike: true,
         },
         Api::Responses => Fields {
@@ -100,6 +104,7 @@ fn fields(api: Api) -> Option<Fields> {
             total: Some("total_tokens"),
             prompt_side: &["input_tokens_details"],
             details: Some("input_tokens_details"),
+            reads: None,
             prompt_counts_alike: true,
         },
         // vLLM's input_tokens leave out cache reads and writes, which count on their own.
@@ -111,6 +116,7 @@ fn fields(api: Api) -> Option<Fields> {
             total: None,
             prompt_side: &["cache_read_input_tokens", "cache_creation_input_tokens"],
             details: None,
+            reads: Some("cache_read_input_tokens"),
             prompt_counts_alike: false,
         },
         // Served by vLLM 0.33 and later only, whose decode counts prefill's cache hits itself.
@@ -262,6 +268,16 @@ fn merged_usage(api: Api, usage: &[u8], prompt: &PromptUsage, streamed: bool) ->
             let details_object = JsonObject::parse(details).ok()?;
             details_without_hits = with_values(&details_object, &[("cached_tokens", b"0")]);
             values.push((name, &details_without_hits));
+        }
+    }
+    if let Some(name) = fields.reads {
+        let prefills = prompt_members.iter().any(|(key, _)| *key == name);
+        let decode_reads = object
+            .last_value(name)
+            .and_then(as_count)
+            .is_some_and(|count| count > 0);
+        if !prefills && decode_reads {
+            values.push((name, b"0"));
         }
     }
     // Often every count is already prefill's (vLLM by default reports no details on either
@@ -1129,6 +1145,33 @@ data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"usage"}
             Some(prefill(Api::Generate))
         );
         assert_eq!(prompt_usage(Api::Generate, br#"{"choices":[]}"#), None);
+    }
+
+    #[test]
+    fn messages_cache_reads_only_decode_counts_are_prefills_kv_and_become_0() {
+        for prefill_answer in [
+            &br#"{"usage":{"input_tokens":7,"output_tokens":1}}"#[..],
+            br#"{"usage":{"input_tokens":7,"output_tokens":1,"cache_read_input_tokens":null}}"#,
+        ] {
+            let prompt = prompt_usage(Api::Messages, prefill_answer).unwrap();
+            let answer = br#"{"id":"msg_1","usage":{"input_tokens":7,"output_tokens":5,"cache_read_input_tokens":7}}"#;
+            assert_eq!(
+                value(&merge_answer(Api::Messages, answer, &prompt).unwrap())["usage"],
+                json!({"input_tokens":7,"output_tokens":5,"cache_read_input_tokens":0})
+            );
+            let delta = br#"event: message_delta
+data: {"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"input_tokens":7,"output_tokens":5,"cache_read_input_tokens":7}}"#;
+            let merged =
+                String::from_utf8(merge_event(Api::Messages, delta, &prompt).unwrap()).unwrap();
+            assert!(
+                merged.contains(r#""cache_read_input_tokens":0"#),
+                "{merged}"
+            );
+            // Nothing read on either leg: nothing to change.
+            let answer =
+                br#"{"usage":{"input_tokens":7,"output_tokens":5,"cache_read_input_tokens":0}}"#;
+            assert_eq!(merge_answer(Api::Messages, answer, &prompt), None);
+        }
     }
 
     #[test]
