@@ -847,10 +847,10 @@ fn check_shapes(value: &serde_json::Value) -> Result<(), ConfigError> {
                 }
                 Some(n) if n <= *max => {}
                 Some(_) => return wrong(&format!("a whole number up to {max}")),
-                None if MUST_BE_ABOVE_ZERO.contains(&key.as_str()) => {
-                    return wrong("a whole number, 1 or more")
-                }
-                None => return wrong("a whole number, 0 or more"),
+                // Not a count JSON can hold as one: negative, with a fraction, past what 64
+                // bits hold, or written with a decimal point or an exponent. Say which, so that
+                // a number too large is not told it must be "1 or more".
+                None => return wrong(&count_problem(key, n, *max)),
             },
             (Shape::Count(_), _) => return wrong("a whole number"),
             (Shape::TextList, Value::Array(items)) => {
@@ -879,6 +879,22 @@ fn check_shapes(value: &serde_json::Value) -> Result<(), ConfigError> {
         }
     }
     Ok(())
+}
+
+/// What a count's value should be, for a number that is not a whole number JSON can hold
+/// as written (`n.as_u64()` is `None`).
+fn count_problem(key: &str, n: &serde_json::Number, max: u64) -> String {
+    let least = u64::from(MUST_BE_ABOVE_ZERO.contains(&key));
+    let value = n.as_f64().unwrap_or(f64::NAN);
+    if value < 0.0 {
+        format!("a whole number, {least} or more")
+    } else if value.fract() != 0.0 {
+        format!("a whole number from {least} to {max}")
+    } else if value > max as f64 {
+        format!("a whole number up to {max}")
+    } else {
+        "a whole number written in digits alone (no decimal point or exponent)".to_owned()
+    }
 }
 
 /// A configured path must be the form a backend serves, or it could never match.
@@ -1277,7 +1293,8 @@ mod tests {
             ),
             (
                 r#"{"max_request_body_bytes":1e9}"#,
-                "max_request_body_bytes must be a whole number, 1 or more, not 1000000000.0",
+                "max_request_body_bytes must be a whole number written in digits alone (no \
+                 decimal point or exponent), not 1000000000.0",
             ),
             ("[]", "must be a JSON object"),
             (r#"{"paths":[]}"#, "at least one path"),
@@ -1400,6 +1417,24 @@ mod tests {
             (
                 r#"{"max_abandoned_prefills_per_client":1.5}"#,
                 "max_abandoned_prefills_per_client must be a whole number",
+            ),
+            // A number too large for 64 bits is too large, not "1 or more"; one written with
+            // an exponent or a decimal point is told how to write it.
+            (
+                r#"{"prefill_timeout_ms":99999999999999999999999}"#,
+                "prefill_timeout_ms must be a whole number up to 2147483647, not 1e+23",
+            ),
+            (
+                r#"{"prefill_retries":1e1}"#,
+                "prefill_retries must be a whole number written in digits alone",
+            ),
+            (
+                r#"{"prefill_retries":2.5}"#,
+                "prefill_retries must be a whole number from 0 to 10, not 2.5",
+            ),
+            (
+                r#"{"kv_release_timeout_ms":-2.5}"#,
+                "kv_release_timeout_ms must be a whole number, 1 or more",
             ),
             (r#"{"on_prefill_failure":"retry"}"#, "one of fail, decode_only"),
             (
