@@ -1319,6 +1319,33 @@ fn answers_for_other_calls_or_gone_clients_change_nothing() {
     assert!(s.on_prefill_dispatched(Ok(6), at(3)).is_empty());
 }
 
+/// README, `model_header`: a client's copy of the model header is removed from every request
+/// the filter sees, not only on the paths it orchestrates, so that no path lets a client pick
+/// a model's decode route; only orchestrated paths get it set again from the body.
+#[test]
+fn a_clients_model_header_is_removed_on_every_path() {
+    let config = r#"{"model_header":"x-model"}"#;
+    for (method, path) in [
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/invocations"),
+        ("GET", "/v1/models"),
+    ] {
+        let mut s = session(config);
+        let step = s.on_request_headers(&headers(method, path, &[("x-model", "forged")]), false);
+        for command in [
+            Command::RemoveRequestHeader("x-model".into()),
+            Command::ClearRouteCache,
+        ] {
+            assert!(
+                step.commands.contains(&command),
+                "{method} {path}: {:?}",
+                step.commands
+            );
+        }
+    }
+}
+
 #[test]
 fn the_model_picks_the_prefill_pool_and_the_decode_route() {
     let config =
