@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::net::{IpAddr, Ipv6Addr};
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -686,6 +687,26 @@ impl Config {
                 vllms.join(", ")
             ));
         }
+        let risky: Vec<String> = [
+            (IpAddr::from([127, 0, 0, 1]), "loopback"),
+            (IpAddr::from(Ipv6Addr::LOCALHOST), "loopback"),
+            (
+                IpAddr::from([169, 254, 169, 254]),
+                "link-local, a cloud's metadata service",
+            ),
+        ]
+        .into_iter()
+        .filter(|(ip, _)| self.prefill_hosts_allowed.covers(*ip))
+        .map(|(ip, kind)| format!("{ip} ({kind})"))
+        .collect();
+        if !risky.is_empty() {
+            warnings.push(format!(
+                "prefill_hosts_allowed covers {}: a scheduler's header may send prefill's \
+                 request there, to any port (Envoy's admin, a metadata service); list only the \
+                 prefill pool's networks outside a local test",
+                risky.join(" and ")
+            ));
+        }
         if self.release_kv_on_abandon {
             let prefill_clusters: Vec<&str> = std::iter::once(self.prefill_cluster.as_str())
                 .chain(self.model_prefill_clusters.values().map(String::as_str))
@@ -945,6 +966,29 @@ mod tests {
         assert_eq!(warned.len(), 1, "{warned:?}");
         assert!(warned[0].contains("none of vLLM's own paths (/v1/completions,"));
         assert!(!warned[0].contains("/invocations"));
+    }
+
+    #[test]
+    fn prefill_hosts_allowed_that_cover_loopback_or_metadata_are_warned_about() {
+        let warnings = |allowed: &str| {
+            Config::from_json(
+                format!(r#"{{"prefill_host_cluster":"dst","prefill_hosts_allowed":{allowed}}}"#)
+                    .as_bytes(),
+            )
+            .unwrap()
+            .warnings()
+        };
+        assert!(warnings(r#"["10.0.0.0/8","192.168.1.7:8100"]"#).is_empty());
+        for (allowed, named) in [
+            (r#"["0.0.0.0/1","128.0.0.0/1"]"#, "127.0.0.1 (loopback)"),
+            (r#"["127.0.0.1:8100"]"#, "127.0.0.1 (loopback)"),
+            (r#"["::/1"]"#, "::1 (loopback)"),
+            (r#"["169.254.0.0/16"]"#, "169.254.169.254 (link-local"),
+        ] {
+            let warned = warnings(allowed);
+            assert_eq!(warned.len(), 1, "{allowed}: {warned:?}");
+            assert!(warned[0].contains(named), "{allowed}: {}", warned[0]);
+        }
     }
 
     #[test]

@@ -54,6 +54,15 @@ impl HostAllowlist {
         self.networks.iter().any(|(_, prefix)| *prefix == 0)
     }
 
+    /// Whether any entry lets a scheduler name `ip`, on any port.
+    pub fn covers(&self, ip: IpAddr) -> bool {
+        self.hosts.iter().any(|host| host.ip() == ip)
+            || self
+                .networks
+                .iter()
+                .any(|(network, prefix)| in_network(ip, *network, *prefix))
+    }
+
     pub fn is_empty(&self) -> bool {
         self.networks.is_empty() && self.hosts.is_empty()
     }
