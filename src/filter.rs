@@ -41,6 +41,7 @@ use crate::headers::HeaderLookup;
 use crate::held_bytes::HeldBytes;
 use crate::held_headers_check::{HeldHeadersCheck, NO_BODY_WARNING_AFTER};
 use crate::host;
+use crate::log_budget::announces_configuration;
 use crate::logger;
 use crate::protocol::kv_release::{decode_unreached, release_succeeded};
 use crate::request_id::new_request_id;
@@ -778,14 +779,20 @@ fn perform(request: &Request, command: Command) -> Vec<Command> {
     Vec::new()
 }
 
-/// Whether this VM is the first to load this configuration, told through the data the VMs
-/// of one plugin share. Two workers starting at the same instant may both say yes.
+/// Whether this VM is the first of this push to load this configuration, told through the
+/// data the VMs of one plugin share (when it was last announced). Two workers starting at
+/// the same instant may both say yes.
 fn first_to_announce(configuration: &[u8]) -> bool {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     configuration.hash(&mut hasher);
     let key = format!("pd-filter.configured.{:016x}", hasher.finish());
-    !host::has_shared_data(&key) && host::set_shared_data(&key, b"1").is_ok()
+    let now = host::now()
+        .ok()
+        .and_then(|now| now.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |since| since.as_secs());
+    announces_configuration(host::shared_data(&key).as_deref(), now)
+        && host::set_shared_data(&key, now.to_string().as_bytes()).is_ok()
 }
 
 impl Root for PdRoot {

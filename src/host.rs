@@ -295,13 +295,13 @@ pub fn dequeue(queue: u32) -> Result<Option<Vec<u8>>, u32> {
     }
 }
 
-/// Whether the data the plugin's VMs share has `key`.
-pub fn has_shared_data(key: &str) -> bool {
+/// The value of `key` in the data the plugin's VMs share; `None` where it has none.
+pub fn shared_data(key: &str) -> Option<Vec<u8>> {
     let mut cas: u32 = 0;
     read(|data, size| unsafe {
         proxy_get_shared_data(key.as_ptr(), key.len(), data, size, &mut cas)
     })
-    .is_ok()
+    .ok()
 }
 
 /// Sets shared data `key`, whatever it held.

@@ -118,6 +118,21 @@ pub fn one_line(text: &str) -> Cow<'_, str> {
     Cow::Owned(line)
 }
 
+/// How long a configuration's announcement (its summary and warnings, once for the
+/// process, not per worker VM) keeps other VMs that load it quiet: a push reaches every
+/// worker within it, and the same configuration pushed again later, after another, is
+/// announced again.
+pub const ANNOUNCEMENT_WINDOW_SECONDS: u64 = 5;
+
+/// Whether a VM that loads a configuration at `now_seconds` announces it, given when it was
+/// last announced (decimal seconds, as the VMs share it); `None`: never.
+pub fn announces_configuration(last_announced: Option<&[u8]>, now_seconds: u64) -> bool {
+    let last = last_announced
+        .and_then(|text| std::str::from_utf8(text).ok())
+        .and_then(|text| text.parse::<u64>().ok());
+    last.is_none_or(|last| now_seconds.saturating_sub(last) >= ANNOUNCEMENT_WINDOW_SECONDS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,5 +260,20 @@ mod tests {
         assert!(!line.chars().any(|c| c.is_control() || c == '\u{2028}'));
         let plain = "prefill refused the request: answering 400: ünïcode stays";
         assert!(matches!(one_line(plain), Cow::Borrowed(text) if text == plain));
+    }
+
+    #[test]
+    fn a_configuration_is_announced_once_per_push_and_again_on_a_later_push() {
+        assert!(announces_configuration(None, 100));
+        // The other workers of the same push.
+        assert!(!announces_configuration(Some(b"100"), 100));
+        assert!(!announces_configuration(Some(b"100"), 104));
+        // The same configuration pushed again later.
+        assert!(announces_configuration(Some(b"100"), 105));
+        // A clock that went back.
+        assert!(!announces_configuration(Some(b"100"), 90));
+        // What an older build stored.
+        assert!(announces_configuration(Some(b"1"), 100));
+        assert!(announces_configuration(Some(b"x"), 100));
     }
 }

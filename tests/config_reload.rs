@@ -634,3 +634,41 @@ async fn a_decode_outage_holds_for_every_root_in_the_vm() {
         "a prefill spent on a request for a decode pool the worker cannot reach"
     );
 }
+
+/// A configuration's summary and warnings are written once for the process when it is
+/// pushed, not once per worker, and again when it is pushed again after another.
+#[tokio::test]
+async fn a_configuration_pushed_again_is_announced_again() {
+    const WARNING: &str = "paths lists none of vLLM's own paths";
+    let warned =
+        r#"{"decode_cluster":"decode","hold_request_headers":true,"paths":["/x/v1/completions"]}"#;
+    let envoy = Dynamic::start("announce", "pd-filter", warned).await;
+    let count = |envoy: &Dynamic| envoy.log().matches(WARNING).count();
+    assert!(
+        wait_for_line(&envoy, WARNING, Duration::from_secs(5)).await,
+        "{}",
+        envoy.log()
+    );
+    let port = envoy.listener_port;
+    envoy.push(&listener_yaml(port, "pd-filter", CONFIG)).await;
+    // Past the window in which the workers of one push stay quiet.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        count(&envoy),
+        1,
+        "once for the first push:\n{}",
+        envoy.log()
+    );
+    envoy.push(&listener_yaml(port, "pd-filter", warned)).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while count(&envoy) < 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        count(&envoy),
+        2,
+        "once again for the second:\n{}",
+        envoy.log()
+    );
+}
