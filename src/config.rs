@@ -15,6 +15,8 @@ use crate::protocol::rewrite::{
 };
 use crate::protocol::scheduling::HostAllowlist;
 
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
 /// What to do when prefill answers 2xx but without usable `kv_transfer_params`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -543,8 +545,13 @@ impl Config {
             RawConfig::default()
         } else {
             let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
+                let bom = if bytes.starts_with(UTF8_BOM) {
+                    ": it begins with a UTF-8 byte-order mark, which JSON text does not have"
+                } else {
+                    ""
+                };
                 ConfigError(format!(
-                    "the configuration is not valid JSON ({e}); in Envoy, give it as a \
+                    "the configuration is not valid JSON ({e}){bom}; in Envoy, give it as a \
                      google.protobuf.StringValue holding the JSON text"
                 ))
             })?;
@@ -1341,6 +1348,11 @@ mod tests {
                  decimal point or exponent), not 1000000000.0",
             ),
             ("[]", "must be a JSON object"),
+            (
+                "\u{feff}{}",
+                "not valid JSON (expected value at line 1 column 1): it begins with a UTF-8 \
+                 byte-order mark",
+            ),
             (r#"{"paths":[]}"#, "at least one path"),
             (r#"{"paths":["/v1/embeddings"]}"#, "must end in"),
             (r#"{"paths":["v1/completions"]}"#, "must start with '/'"),
