@@ -8,7 +8,9 @@ usage: python scripts/clients_check.py BASE_URL PREFILL_URL DECODE_URL
 - httpx over HTTP/2 without TLS (prior knowledge), many requests multiplexed on one
   connection, an upload over the filter's limit, and streams cancelled during prefill and
   mid-answer: the connection must go on serving, and every prefill of a cancelled request
-  must have its KV taken by decode (served or released);
+  must have its KV taken by decode (served or released). httpx sends no RST_STREAM for a
+  task it cancels, so Envoy runs those requests to their end; clients that do reset their
+  streams are tests/kv_release.rs's (`http2_clients_that_reset_their_stream_…`);
 - the OpenAI SDK's retries and timeouts: every attempt runs its own prefill and none is left
   with its KV unread.
 
@@ -191,7 +193,7 @@ async def http2(base_url, prefill_url, decode_url):
         check("http2 connection serves after cancellations",
               answer.status_code == 200 and answer.http_version == "HTTP/2", answer)
     missing = kv_taken(prefill_url, decode_url, ids)
-    check("cancelled requests leave no KV unread", not missing, missing)
+    check("httpx-cancelled requests leave no KV unread", not missing, missing)
 
 
 def sdk_retries(base_url, prefill_url, decode_url):

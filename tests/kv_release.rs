@@ -4,6 +4,8 @@
 //! KV it issued and the KV a decode read.
 
 mod common;
+#[path = "common/raw_http.rs"]
+mod raw_http;
 
 use std::time::{Duration, Instant};
 
@@ -143,6 +145,75 @@ async fn clients_that_leave_during_a_slow_prefill_strand_no_kv() {
     assert_eq!(h.counter(KV_DROPPED), 0);
     // Each counted once, by how it ended.
     assert_eq!(h.counter(ABANDONED), abandoned_before + 100);
+    assert_filter_healthy();
+    assert_envoy_log_clean();
+}
+
+/// HTTP/2 clients leave by resetting their stream, on a connection that stays open: the
+/// same release as for a client that closes its connection.
+#[tokio::test]
+async fn http2_clients_that_reset_their_stream_during_prefill_strand_no_kv() {
+    let _serial = SERIAL.lock().await;
+    let h = harness();
+    let released_before = releases_from_a_clean_ledger().await;
+    let sender = raw_http::h2_connect(h.port("default"))
+        .await
+        .expect("h2c connection");
+    let ids: Vec<String> = (0..10).map(|_| unique_id("h2-reset")).collect();
+    let resets = ids.iter().map(|id| {
+        let body = json!({"model": "m", "prompt": format!("{id} mock:prefill_delay_ms=1500"),
+            "max_tokens": 5})
+        .to_string();
+        let sender = sender.clone();
+        async move {
+            let headers = [
+                ("content-type", "application/json"),
+                ("x-request-id", id.as_str()),
+            ];
+            raw_http::h2_post_then_reset(
+                &sender,
+                COMPLETIONS,
+                &headers,
+                body.as_bytes(),
+                Duration::from_millis(300),
+            )
+            .await
+        }
+    });
+    for reset in futures_util::future::join_all(resets).await {
+        assert_eq!(reset, Ok(()));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        wait_until_nothing_is_stranded(Duration::from_secs(5)).await,
+        Ok(()),
+        "KV stranded on prefill after HTTP/2 clients reset their streams"
+    );
+    for id in &ids {
+        assert_eq!(h.prefill_requests(id).len(), 1, "{id}");
+        assert!(h.decode_requests(id).is_empty(), "{id}: decode served it");
+        assert_eq!(releases(id).len(), 1, "{id}");
+    }
+    assert_eq!(h.counter(KV_RELEASED), released_before + 10);
+    // The connection goes on serving.
+    let id = unique_id("h2-after-resets");
+    let request = raw_http::H2Request {
+        method: "POST".to_owned(),
+        path: COMPLETIONS.to_owned(),
+        headers: vec![
+            ("content-type".to_owned(), "application/json".to_owned()),
+            ("x-request-id".to_owned(), id.clone()),
+        ],
+        data: vec![json!({"model": "m", "prompt": "after", "max_tokens": 2})
+            .to_string()
+            .into_bytes()],
+        trailers: vec![],
+        reset_after: None,
+    };
+    match raw_http::h2_exchange(&sender, request, Duration::from_secs(10)).await {
+        raw_http::H2Outcome::Response(answer) => assert_eq!(answer.status, 200, "{answer:?}"),
+        other => panic!("the connection no longer serves: {other:?}"),
+    }
     assert_filter_healthy();
     assert_envoy_log_clean();
 }

@@ -500,3 +500,39 @@ async fn h2_exchange_inner(sender: H2Sender, request: H2Request) -> H2Outcome {
         body,
     })
 }
+
+/// Sends a whole POST of `body` to `path` as one stream, waits `wait`, then resets the
+/// stream (`CANCEL`), as an HTTP/2 client that gives up on its request does.
+pub async fn h2_post_then_reset(
+    sender: &H2Sender,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    wait: Duration,
+) -> Result<(), String> {
+    let mut builder = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://localhost{path}"));
+    for (name, value) in headers {
+        builder = builder.header(*name, *value);
+    }
+    let request = builder.body(()).map_err(|e| e.to_string())?;
+    let mut sender = sender
+        .clone()
+        .ready()
+        .await
+        .map_err(|e| format!("not ready: {e}"))?;
+    let (response, mut stream) = sender
+        .send_request(request, false)
+        .map_err(|e| format!("send_request: {e}"))?;
+    stream
+        .send_data(Bytes::copy_from_slice(body), true)
+        .map_err(|e| format!("send_data: {e}"))?;
+    match tokio::time::timeout(wait, response).await {
+        Err(_) => {
+            stream.send_reset(h2::Reason::CANCEL);
+            Ok(())
+        }
+        Ok(answer) => Err(format!("answered before the reset: {answer:?}")),
+    }
+}
