@@ -709,8 +709,8 @@ impl Config {
         if !risky.is_empty() {
             warnings.push(format!(
                 "prefill_hosts_allowed covers {}: a scheduler's header may send prefill's \
-                 request there, to any port (Envoy's admin, a metadata service); list only the \
-                 prefill pool's networks outside a local test",
+                 request there (to Envoy's admin, a metadata service); list only the prefill \
+                 pool's networks outside a local test",
                 risky.join(" and ")
             ));
         }

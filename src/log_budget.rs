@@ -1,7 +1,8 @@
 //! How many lines a worker writes to Envoy's log: under overload every refused request has
 //! a line to log, and Envoy would write tens of MB a minute. Each second takes a bounded
 //! number; the rest are counted and the count is written with the next line let through.
-//! And each line stays one line ([`one_line`]).
+//! And each line stays one line ([`one_line`]). A configuration's summary is written once
+//! for the process, not by every worker's VM ([`announces_configuration`]).
 
 use std::borrow::Cow;
 

@@ -54,7 +54,8 @@ impl HostAllowlist {
         self.networks.iter().any(|(_, prefix)| *prefix == 0)
     }
 
-    /// Whether any entry lets a scheduler name `ip`, on any port.
+    /// Whether any entry lets a scheduler name `ip`: a network that holds it, or an
+    /// `ip:port` with it.
     pub fn covers(&self, ip: IpAddr) -> bool {
         self.hosts.iter().any(|host| host.ip() == ip)
             || self
