@@ -402,6 +402,15 @@ async fn requests_whose_limits_vllm_refuses_never_reach_prefill() {
             "background can only be used when `store` is true",
             Some("background"),
         ),
+        // A string with a digit that pydantic still reads as no int (an exponent): prefill's
+        // copy, with its own limit, would be served, and decode would refuse the client's.
+        (
+            "exponent-limit",
+            CHAT,
+            r#"{"messages":[{"role":"user","content":"hi"}],"max_completion_tokens":"1e1"}"#,
+            r#"max_completion_tokens must be an integer, as vLLM reads it; got "1e1""#,
+            Some("max_completion_tokens"),
+        ),
         (
             "kv-not-an-object",
             CHAT,

@@ -258,14 +258,22 @@ fn vllm_refuses_the_limits(api: Api, object: &Map<String, Value>) -> bool {
 
 /// A value vLLM's model refuses in a field prefill's copy overwrites: for an integer, the
 /// wrong kind of value, `null` where it is not optional, a fractional number or a string
-/// without a digit; for a bool, a number other than 0 and 1 or a string outside pydantic's
+/// without a digit, or with an ASCII letter or a control character other than whitespace;
+/// for a bool, a number other than 0 and 1 or a string outside pydantic's
 /// words; for `stream_options`, anything but an object or null.
 fn vllm_cannot_read_a_capped_field(api: Api, object: &Map<String, Value>) -> bool {
     let not_int = |value: &Value, optional: bool| match value {
         Value::Null => !optional,
         Value::Bool(_) => false,
         Value::Number(number) => number.as_f64().is_some_and(|n| n.fract() != 0.0),
-        Value::String(text) => !text.chars().any(|c| c.is_ascii_digit()),
+        Value::String(text) => {
+            !text.chars().any(|c| c.is_ascii_digit())
+                || text.chars().any(|c| {
+                    c.is_ascii_alphabetic()
+                        || (c.is_ascii_control()
+                            && !matches!(c, '\t' | '\n' | '\u{b}' | '\u{c}' | '\r'))
+                })
+        }
         Value::Array(_) | Value::Object(_) => true,
     };
     let not_bool = |value: &Value| match value {

@@ -155,9 +155,11 @@ fn check_readable(
 }
 
 /// A value no reading of pydantic's lax mode takes as an int: an object, an array, a string
-/// with no digit in it, `NaN` or an infinity, or a number written with a fraction or exponent
-/// whose value has a fractional part or is beyond any float. (An integer literal is an int
-/// to Python; one longer than Python reads has its whole body refused on parsing.)
+/// with no digit in it, or with an ASCII letter (`"1e1"`, `"0x10"`, `"inf"`) or a control
+/// character that is not whitespace (`"1\u0000"`) anywhere in it, `NaN` or an infinity, or a
+/// number written with a fraction or exponent whose value has a fractional part or is beyond
+/// any float. (An integer literal is an int to Python; one longer than Python reads has its
+/// whole body refused on parsing.)
 fn surely_not_an_int(value: &[u8]) -> bool {
     if is_nan_or_infinite(value) {
         return true;
@@ -166,7 +168,7 @@ fn surely_not_an_int(value: &[u8]) -> bool {
     match value.first() {
         Some(b'{' | b'[') => true,
         Some(b'"') => serde_json::from_slice::<String>(value)
-            .is_ok_and(|text| !text.bytes().any(|byte| byte.is_ascii_digit())),
+            .is_ok_and(|text| string_surely_not_an_int(&text)),
         Some(b'-' | b'0'..=b'9') if integer_literal => false,
         Some(b'-' | b'0'..=b'9') => std::str::from_utf8(value)
             .ok()
@@ -174,6 +176,19 @@ fn surely_not_an_int(value: &[u8]) -> bool {
             .is_some_and(|number| !number.is_finite() || number.fract() != 0.0),
         _ => false,
     }
+}
+
+/// A string pydantic's lax mode never reads as an int. It reads one as Rust's `str::trim`
+/// leaves it (Unicode whitespace, which takes in ASCII's tab, line feed, vertical tab, form
+/// feed and carriage return), then a sign, digits with `_` between them and a fraction of
+/// zeros: never a letter (no exponent, radix prefix, `inf` or `nan`), never another control
+/// character, and at least one digit.
+fn string_surely_not_an_int(text: &str) -> bool {
+    let whitespace = |byte: u8| matches!(byte, b'\t' | b'\n' | 0x0b | 0x0c | b'\r');
+    !text.bytes().any(|byte| byte.is_ascii_digit())
+        || text.bytes().any(|byte| {
+            byte.is_ascii_alphabetic() || (byte.is_ascii_control() && !whitespace(byte))
+        })
 }
 
 /// A value pydantic's lax mode never takes as a bool: an object, an array, a number other
@@ -736,6 +751,44 @@ mod tests {
                 r#"{"messages":[],"max_tokens":"abc"}"#,
                 "max_tokens",
             ),
+            // Strings with a digit that pydantic still reads as no int: an exponent, a radix
+            // prefix, a letter, a control character that is not whitespace. Prefill's copy
+            // (its own value there) would be served, and decode would refuse the client's.
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":"1e1"}"#,
+                "max_tokens",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"max_completion_tokens":"0x10"}"#,
+                "max_completion_tokens",
+            ),
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[],"n":"1\u0000"}"#,
+                "n",
+            ),
+            (
+                Api::Responses,
+                r#"{"input":"hi","max_output_tokens":"1E0"}"#,
+                "max_output_tokens",
+            ),
+            (
+                Api::Messages,
+                r#"{"messages":[],"max_tokens":"5 tokens"}"#,
+                "max_tokens",
+            ),
+            (
+                Api::CohereChat,
+                r#"{"messages":[],"max_tokens":"\u001c1"}"#,
+                "max_tokens",
+            ),
+            (
+                Api::Generate,
+                r#"{"token_ids":[1],"sampling_params":{"min_tokens":"1e0"}}"#,
+                "min_tokens",
+            ),
             (
                 Api::CohereChat,
                 r#"{"messages":[],"max_tokens":2.5}"#,
@@ -810,6 +863,12 @@ mod tests {
             (
                 Api::Completions,
                 r#"{"prompt":"hi","max_tokens":1e2,"stream":"Yes"}"#,
+            ),
+            // Whitespace pydantic trims (Unicode's, ASCII's vertical tab and form feed too),
+            // a sign, `_` between digits and a fraction of zeros: all ints to pydantic.
+            (
+                Api::Completions,
+                r#"{"prompt":"hi","max_tokens":"\u000b+1_6\f","n":"\u00a01.00\u3000"}"#,
             ),
             (Api::Completions, &big_limit),
             (

@@ -1025,7 +1025,8 @@ fn refuse_truncation_to_the_context_left(
 /// token or one, which prefill's answer holds already. A 0 that went the way of longer
 /// generations would reach decode without `echo`, which vLLM refuses (its `max_tokens: 0` is
 /// only taken with `echo`). A spelling read here that pydantic refuses goes to prefill as
-/// sent, which refuses it as one vLLM would.
+/// sent, which refuses it as one vLLM would (those the limits check knows pydantic refuses,
+/// such as a string with a letter in it, are refused before prefill).
 fn max_tokens_as_read(object: &JsonObject) -> Option<f64> {
     object.last_value("max_tokens").and_then(lax_number)
 }
