@@ -519,8 +519,10 @@ fn istio_names_agree_across_the_manifests() {
         first["directResponse"]["status"] == 404
             && first["match"][0]["uri"]["regex"]
                 .as_str()
-                .is_some_and(|regex| regex.contains("load_lora_adapter")),
-        "the VirtualService must answer vLLM's LoRA endpoints 404 first: {first}"
+                .is_some_and(|regex| {
+                    regex.contains("load_lora_adapter") && regex.contains("pd_kv_ready")
+                }),
+        "the VirtualService must answer vLLM's LoRA and KV-ready endpoints 404 first: {first}"
     );
     let routes: Vec<Value> = all_routes
         .iter()
@@ -535,6 +537,7 @@ fn istio_names_agree_across_the_manifests() {
         "/sleep",
         "/collective_rpc",
         "/update_weights",
+        "/drop_peer",
         "/metrics",
         "/load",
     ] {
@@ -1376,6 +1379,7 @@ fn operator_endpoints_problem(hcm: &Value) -> Option<String> {
         "scal(e|ing)_elastic_ep",
         "collective_rpc",
         "update_weight",
+        "pd_kv_ready|drop_peer",
         "metrics",
     ]
     .iter()
@@ -2976,6 +2980,8 @@ fn envoy_yaml_keeps_vllms_operator_endpoints_from_clients_in_envoy() {
         "/inference/v1/../v1/abort_requests",
         "/inference/v1/%61bort_requests",
         "/v1/load_lora_adapter",
+        "/v1/pd_kv_ready",
+        "/drop_peer",
         "/collective_rpc",
         "/sleep",
         "/fault_tolerance/apply",
