@@ -520,9 +520,17 @@ fn istio_names_agree_across_the_manifests() {
             && first["match"][0]["uri"]["regex"]
                 .as_str()
                 .is_some_and(|regex| {
-                    regex.contains("load_lora_adapter") && regex.contains("pd_kv_ready")
+                    [
+                        "load_lora_adapter",
+                        "pd_kv_ready",
+                        "fault_tolerance",
+                        "requests/",
+                        "admin/",
+                    ]
+                    .iter()
+                    .all(|endpoint| regex.contains(endpoint))
                 }),
-        "the VirtualService must answer vLLM's LoRA and KV-ready endpoints 404 first: {first}"
+        "the VirtualService must answer vLLM's operator endpoints under /v1/ 404 first: {first}"
     );
     let routes: Vec<Value> = all_routes
         .iter()
@@ -1380,6 +1388,11 @@ fn operator_endpoints_problem(hcm: &Value) -> Option<String> {
         "collective_rpc",
         "update_weight",
         "pd_kv_ready|drop_peer",
+        "(v1/)?fault_tolerance",
+        "kv_event_sources|checkpoint",
+        "v1/requests/",
+        "v1/(admin/",
+        "dashboard",
         "metrics",
     ]
     .iter()
@@ -2982,6 +2995,17 @@ fn envoy_yaml_keeps_vllms_operator_endpoints_from_clients_in_envoy() {
         "/v1/load_lora_adapter",
         "/v1/pd_kv_ready",
         "/drop_peer",
+        "/v1/fault_tolerance/apply",
+        "/checkpoint/prepare?mode=abort",
+        "/kv_event_sources",
+        "/adapters",
+        "/adapters/x",
+        "/pause/step",
+        "/v1/requests/victim/cancel",
+        "/internal/kv_connector_refresh_lease",
+        "/v1/admin/drain",
+        "/debug/sleep",
+        "/dashboard",
         "/collective_rpc",
         "/sleep",
         "/fault_tolerance/apply",
