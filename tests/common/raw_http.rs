@@ -416,15 +416,13 @@ pub async fn h2_exchange(sender: &H2Sender, request: H2Request, deadline: Durati
 }
 
 async fn h2_exchange_inner(sender: H2Sender, request: H2Request) -> H2Outcome {
-    let mut builder = http::Request::builder()
-        .method(request.method.as_str())
-        .uri(format!("http://localhost{}", request.path));
-    for (name, value) in &request.headers {
-        builder = builder.header(name.as_str(), value.as_str());
-    }
-    let built = match builder.body(()) {
+    let headers = request
+        .headers
+        .iter()
+        .map(|(name, value)| (name.as_str(), value.as_str()));
+    let built = match request_head(&request.method, &request.path, headers) {
         Ok(built) => built,
-        Err(error) => return H2Outcome::NotSent(error.to_string()),
+        Err(error) => return H2Outcome::NotSent(error),
     };
     let mut trailers = http::HeaderMap::new();
     for (name, value) in &request.trailers {
@@ -510,13 +508,7 @@ pub async fn h2_post_then_reset(
     body: &[u8],
     wait: Duration,
 ) -> Result<(), String> {
-    let mut builder = http::Request::builder()
-        .method("POST")
-        .uri(format!("http://localhost{path}"));
-    for (name, value) in headers {
-        builder = builder.header(*name, *value);
-    }
-    let request = builder.body(()).map_err(|e| e.to_string())?;
+    let request = request_head("POST", path, headers.iter().copied())?;
     let mut sender = sender
         .clone()
         .ready()
@@ -535,4 +527,19 @@ pub async fn h2_post_then_reset(
         }
         Ok(answer) => Err(format!("answered before the reset: {answer:?}")),
     }
+}
+
+/// A request's head (method, path, headers) for an h2c stream.
+fn request_head<'a>(
+    method: &str,
+    path: &str,
+    headers: impl Iterator<Item = (&'a str, &'a str)>,
+) -> Result<http::Request<()>, String> {
+    let mut builder = http::Request::builder()
+        .method(method)
+        .uri(format!("http://localhost{path}"));
+    for (name, value) in headers {
+        builder = builder.header(name, value);
+    }
+    builder.body(()).map_err(|error| error.to_string())
 }
